@@ -1,0 +1,47 @@
+"""paramstore: TensorFlow-style stateful Variables for JAX, compiled with ``jax.jit``.
+
+See ``API.md`` for the contract; each module's docstring states its part of it.
+"""
+
+from paramstore import initializers, random
+from paramstore.function import Function, function
+from paramstore.functional import State, grad, pure, state, update, value_and_grad
+from paramstore.module import Module
+from paramstore.optimizer import Optimizer
+from paramstore.scope import (
+    AUTO_REUSE,
+    VariableScope,
+    VariableStore,
+    get_variable,
+    name_scope,
+    variable_scope,
+)
+from paramstore.sharding import device
+from paramstore.variable import Reference, Variable, VariableSlice
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AUTO_REUSE",
+    "Function",
+    "Module",
+    "Optimizer",
+    "Reference",
+    "State",
+    "Variable",
+    "VariableScope",
+    "VariableSlice",
+    "VariableStore",
+    "device",
+    "function",
+    "get_variable",
+    "grad",
+    "initializers",
+    "name_scope",
+    "pure",
+    "random",
+    "state",
+    "update",
+    "value_and_grad",
+    "variable_scope",
+]

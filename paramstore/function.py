@@ -1,0 +1,354 @@
+"""``ps.function``: compile a stateful Python function with ``jax.jit``.
+
+How it works. For each new signature (argument shapes/dtypes, static arguments, and the
+identity of Variables/Modules passed as arguments) the function is traced **once** with
+``jax.make_jaxpr`` inside a capture frame (see ``_trace``):
+
+* the first read of each variable returns a fresh zero-copy alias of its array, which the
+  jaxpr records as a constant; those constants are then *lifted* to inputs of the jaxpr,
+  so nothing is baked in: every call passes the variables' current arrays.
+* every assign is recorded; the final values become extra outputs, swapped into the
+  variables after the call. A Python exception (at trace or run time) changes nothing.
+* the lifted jaxpr is run by ``jax.jit``, whose C++ dispatch does the per-call work; our
+  own per-call cost is a dict lookup on the signature and a few C-level list operations.
+
+Donation. A variable that the function both reads and assigns has its input buffer
+donated, so XLA updates it in place. Donation would invalidate an array that someone
+else still holds (``old = v.value()``), so each call checks the array's reference count:
+if anything besides the variable holds it, a copy is donated instead and the user's
+array stays valid. ``donate=False`` turns donation off.
+
+Variables may be created during the first trace only (their initial values are computed
+eagerly, outside the trace); creating one on a later trace raises ``ValueError``.
+A ``ps.function`` called inside another, or inside ``ps.pure``/``ps.grad``, is inlined.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+
+from paramstore import _trace
+from paramstore.module import Module
+from paramstore.scope import default_store
+from paramstore.variable import Variable, VariableSlice
+
+__all__ = ["function", "Function"]
+
+_SCALARS = frozenset({bool, int, float, complex})
+_get_value = operator.attrgetter("_value")
+# References to an array passed to a call: the variable, our list, getrefcount's argument.
+_OWN_REFS = 3
+
+
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, (Variable, Module))
+
+
+def _leaf_key(x: Any) -> Any:
+    t = type(x)
+    if t in _SCALARS:
+        return t
+    if isinstance(x, (Variable, Module)):
+        return id(x)
+    try:
+        return (x.shape, x.dtype, getattr(x, "weak_type", False))
+    except AttributeError:
+        raise TypeError(
+            f"ps.function got an argument of type {t.__name__} ({x!r:.60}), which is not an "
+            "array, a Variable or a Module. Mark it static with static_argnums/static_argnames."
+        ) from None
+
+
+def _is_var_or_slice(x: Any) -> bool:
+    return isinstance(x, (Variable, VariableSlice))
+
+
+class _Entry:
+    """One traced signature: the lifted jaxpr's runner and the variables it moves."""
+
+    def __init__(
+        self,
+        runner: Callable[..., Any],
+        donated: list[Variable],
+        readonly: list[Variable],
+        assigned: list[Variable],
+        out_tree: Any,
+        ref_pos: list[int],
+        refs: list[Any],
+        donate: bool,
+    ) -> None:
+        self.runner = runner
+        self.donated = donated
+        self.readonly = readonly
+        self.assigned = assigned
+        self.out_tree = out_tree
+        self.ref_pos = ref_pos
+        self.refs = [weakref.ref(r) for r in refs]
+        self.donate = donate and bool(donated)
+
+    def __call__(self, leaves: list[Any]) -> Any:
+        if self.ref_pos:
+            pos = set(self.ref_pos)
+            leaves = [x for i, x in enumerate(leaves) if i not in pos]
+        don = list(map(_get_value, self.donated))
+        if self.donate:
+            for i, x in enumerate(don):
+                if sys.getrefcount(x) > _OWN_REFS:
+                    don[i] = jnp.array(x, copy=True)  # someone holds it: donate a copy
+        ro = list(map(_get_value, self.readonly))
+        out, new = self.runner(don, ro, leaves)
+        if new:
+            if isinstance(new[0], jax.core.Tracer):
+                names = ", ".join(v.name for v in self.assigned)
+                raise TypeError(
+                    f"A ps.function that assigns variables ({names}) was called inside a plain "
+                    "JAX transformation (jax.jit, jax.vmap, jax.grad ...), where the new "
+                    "values would be leaked tracers. Call it outside, make the outer function "
+                    "a ps.function too, or use ps.pure."
+                )
+            for v, x in zip(self.assigned, new):
+                v._value = x
+        return jax.tree_util.tree_unflatten(self.out_tree, out)
+
+    def alive(self, leaves: list[Any]) -> bool:
+        """Whether the Variables/Modules this entry was traced with are still these."""
+        return all(r() is leaves[i] for r, i in zip(self.refs, self.ref_pos))
+
+
+class Function:
+    """A compiled stateful function; see the module docstring. ``trace_count`` counts traces."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        donate: bool = True,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"ps.function expects a callable, got {type(fn).__name__}.")
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._donate = bool(donate)
+        self._static_argnums, self._static_argnames = _static_args(
+            fn, static_argnums, static_argnames
+        )
+        self._cache: dict[Any, _Entry] = {}
+        self._bound: weakref.ref[Any] | None = None
+        self._instances: dict[int, Function] = {}
+        self._lock = threading.RLock()
+        self.trace_count = 0
+
+    # -- methods: one Function per instance, as tf.function does
+    def __get__(self, instance: Any, owner: Any = None) -> Function:
+        if instance is None:
+            return self
+        key = id(instance)
+        bound = self._instances.get(key)
+        if bound is None or bound._bound is None or bound._bound() is not instance:
+            bound = Function(
+                self._fn,
+                static_argnums=self._static_argnums,
+                static_argnames=self._static_argnames,
+                donate=self._donate,
+            )
+            bound._bound = weakref.ref(instance)
+            self._instances[key] = bound
+            weakref.finalize(instance, self._instances.pop, key, None)
+        return bound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._bound is not None:
+            instance = self._bound()
+            if instance is None:
+                raise ReferenceError("The object this ps.function method is bound to is gone.")
+            args = (instance, *args)
+        if _trace.depth and _trace.active():
+            return self._fn(*args, **kwargs)  # inside another ps.function or ps.pure: inline
+        if self._static_argnums or self._static_argnames:
+            dyn, static = self._split(args, kwargs)
+        else:
+            dyn, static = (args, kwargs), ()
+        leaves, treedef = jax.tree_util.tree_flatten(dyn, is_leaf=_is_ref)
+        key = (treedef, static, *map(_leaf_key, leaves))
+        try:
+            entry = self._cache.get(key)
+        except TypeError:
+            raise TypeError(self._unhashable_message(static)) from None
+        if entry is None or (entry.ref_pos and not entry.alive(leaves)):
+            with self._lock:
+                entry = self._trace(key, leaves, treedef, static)
+        return entry(leaves)
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+        nums, names = self._static_argnums, self._static_argnames
+        dyn_args = tuple(None if i in nums else a for i, a in enumerate(args))
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in names}
+        static = (
+            tuple((i, args[i]) for i in nums if i < len(args)),
+            tuple(sorted((k, v) for k, v in kwargs.items() if k in names)),
+        )
+        return (dyn_args, dyn_kw), static
+
+    def _unhashable_message(self, static: tuple) -> str:
+        for where, value in [*static[0], *static[1]]:
+            try:
+                hash(value)
+            except TypeError:
+                label = f"position {where}" if isinstance(where, int) else f"'{where}'"
+                return (
+                    f"Static argument at {label} of {self.__name__}() is unhashable (type "
+                    f"{type(value).__name__}): ps.function keys its traces on static "
+                    "arguments. Pass a hashable value (a tuple instead of a list), or pass "
+                    "arrays as regular (traced) arguments."
+                )
+        return f"An argument of {self.__name__}() is unhashable."
+
+    def _merge(self, dyn: Any, static: tuple) -> tuple[list[Any], dict[str, Any]]:
+        args, kwargs = list(dyn[0]), dict(dyn[1])
+        if static:
+            for i, v in static[0]:
+                args[i] = v
+            kwargs.update(static[1])
+        return args, kwargs
+
+    def _trace(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
+        name = getattr(self, "__name__", "fn")
+        frame = _trace.Frame(
+            f"ps.function '{name}'", capture=True, allow_create=self.trace_count == 0
+        )
+        ref_pos = [i for i, x in enumerate(leaves) if _is_ref(x)]
+        refs = {i: leaves[i] for i in ref_pos}
+        arrays = [x for i, x in enumerate(leaves) if i not in refs]
+        result: dict[str, Any] = {}
+
+        def flat(*arrays: Any) -> tuple[list[Any], list[Any]]:
+            it = iter(arrays)
+            full = [refs[i] if i in refs else next(it) for i in range(len(leaves))]
+            args, kwargs = self._merge(jax.tree_util.tree_unflatten(treedef, full), static)
+            with _trace.push(frame):
+                out = self._fn(*args, **kwargs)
+                out_leaves, result["out_tree"] = jax.tree_util.tree_flatten(
+                    out, is_leaf=_is_var_or_slice
+                )
+                out_leaves = [x.value() if _is_var_or_slice(x) else x for x in out_leaves]
+                assigned = result["assigned"] = list(frame.assigned.values())
+                new = [frame.values[id(v)] for v in assigned]
+            return out_leaves, new
+
+        store = default_store()
+        before = set(map(id, store.variables()))
+        try:
+            closed = jax.make_jaxpr(flat)(*arrays)
+        except BaseException:
+            for var in store.variables():  # a failed trace leaves no variables behind
+                if id(var) not in before:
+                    store._forget(var)
+            raise
+        entry = self._lift(closed, frame, result, ref_pos, list(refs.values()))
+        self._cache[key] = entry
+        self.trace_count += 1
+        return entry
+
+    def _lift(
+        self,
+        closed: Any,
+        frame: _trace.Frame,
+        result: dict[str, Any],
+        ref_pos: list[int],
+        refs: list[Any],
+    ) -> _Entry:
+        """Turn the constants that are variables' arrays into inputs; build the runner."""
+        jaxpr = closed.jaxpr
+        var_of = {id(value): var for var, value in frame.captured.values()}
+        assigned: list[Variable] = result["assigned"]
+        written = {id(v) for v in assigned}
+        keep_vars, keep_consts = [], []
+        donated: list[tuple[Variable, Any]] = []
+        readonly: list[tuple[Variable, Any]] = []
+        for cvar, const in zip(jaxpr.constvars, closed.consts):
+            var = var_of.get(id(const))
+            if var is None:
+                keep_vars.append(cvar)
+                keep_consts.append(const)
+            else:
+                (donated if id(var) in written else readonly).append((var, cvar))
+        invars = [c for _, c in donated] + [c for _, c in readonly] + list(jaxpr.invars)
+        lifted = jaxpr.replace(constvars=keep_vars, invars=invars, debug_info=None)
+        fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
+        n_out = len(jaxpr.outvars) - len(assigned)
+
+        def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
+            res = fun(*don, *ro, *arrays)
+            return res[:n_out], res[n_out:]
+
+        donate = self._donate and bool(donated)
+        runner = jax.jit(run, donate_argnums=(0,) if donate else ())
+        return _Entry(
+            runner,
+            [v for v, _ in donated],
+            [v for v, _ in readonly],
+            assigned,
+            result["out_tree"],
+            ref_pos,
+            refs,
+            donate,
+        )
+
+    def __repr__(self) -> str:
+        return f"<ps.function {getattr(self, '__qualname__', self._fn)!s}>"
+
+
+def _static_args(
+    fn: Callable[..., Any], nums: int | Sequence[int], names: str | Sequence[str]
+) -> tuple[frozenset[int], frozenset[str]]:
+    """Static positions and names, each completed from the other through the signature."""
+    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+    names = (names,) if isinstance(names, str) else tuple(names)
+    num_set, name_set = set(nums), set(names)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    for i in nums:
+        if 0 <= i < len(positional):
+            name_set.add(positional[i])
+    for n in names:
+        if n in positional:
+            num_set.add(positional.index(n))
+    return frozenset(num_set), frozenset(name_set)
+
+
+def function(
+    fn: Callable[..., Any] | None = None,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate: bool = True,
+) -> Any:
+    """Compile ``fn`` with ``jax.jit``, reading and updating Variables like eager code.
+
+    Use as ``@ps.function``, ``@ps.function(static_argnums=...)`` or ``ps.function(fn, ...)``.
+    """
+    if fn is None:
+        return lambda f: Function(
+            f, static_argnums=static_argnums, static_argnames=static_argnames, donate=donate
+        )
+    return Function(
+        fn, static_argnums=static_argnums, static_argnames=static_argnames, donate=donate
+    )
