@@ -4,9 +4,11 @@ A *frame* binds variables to values (often tracers) for the duration of a call, 
 current thread only. While a frame is active, ``Variable.value()`` returns the bound value
 and ``Variable.assign`` rebinds it; the real variables are never touched. Frames nest:
 
-* a *pure* frame (``ps.pure``, ``ps.grad``) binds a fixed set of variables; reads of other
-  variables pass through to the enclosing frame (or the real value); an assign to a
-  variable outside its set is an error, because its new value could not be returned.
+* a *pure* frame (``ps.pure``) binds a fixed set of variables; reads of other variables
+  pass through to the enclosing frame (or the real value); an assign to a variable
+  outside its set is an error, because its new value could not be returned.
+* an *open* frame (``ps.grad``) is a pure frame that also records assigns to variables
+  outside its set, so they can be applied after the call.
 * a *capture* frame (``ps.function``'s trace) is a pure frame with an open set: the first
   read of any variable records it and returns a fresh alias of its array (zero-copy), so
   the traced jaxpr holds that alias as a constant which ``ps.function`` then lifts to an
@@ -40,7 +42,16 @@ NON_FIRST_TRACE = "ps.function-decorated function tried to create variables on n
 class Frame:
     """Variables bound to values for one call (see the module docstring)."""
 
-    __slots__ = ("values", "vars", "assigned", "captured", "capture", "allow_create", "owner")
+    __slots__ = (
+        "values",
+        "vars",
+        "assigned",
+        "captured",
+        "capture",
+        "open",
+        "allow_create",
+        "owner",
+    )
 
     def __init__(
         self,
@@ -48,6 +59,7 @@ class Frame:
         bound: dict[int, tuple[Variable, Any]] | None = None,
         *,
         capture: bool = False,
+        open: bool = False,
         allow_create: bool = True,
     ) -> None:
         self.owner = owner
@@ -59,6 +71,7 @@ class Frame:
         self.assigned: dict[int, Variable] = {}
         self.captured: dict[int, tuple[Variable, Any]] = {}
         self.capture = capture
+        self.open = open or capture
         self.allow_create = allow_create
 
 
@@ -136,7 +149,7 @@ def bind(var: Variable, value: Any) -> bool:
         return False
     key = id(var)
     for frame in reversed(stack):
-        if key in frame.values or frame.capture:
+        if key in frame.values or frame.open:
             frame.vars[key] = var
             frame.values[key] = value
             frame.assigned[key] = var

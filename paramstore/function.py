@@ -103,9 +103,9 @@ class _Entry:
             leaves = [x for i, x in enumerate(leaves) if i not in pos]
         don = list(map(_get_value, self.donated))
         if self.donate:
-            for i, x in enumerate(don):
-                if sys.getrefcount(x) > _OWN_REFS:
-                    don[i] = jnp.array(x, copy=True)  # someone holds it: donate a copy
+            for i, count in enumerate(map(sys.getrefcount, don)):
+                if count > _OWN_REFS:  # someone else holds it: donate a copy instead
+                    don[i] = jnp.array(don[i], copy=True)
         ro = list(map(_get_value, self.readonly))
         out, new = self.runner(don, ro, leaves)
         if new:
@@ -285,8 +285,12 @@ class Function:
                 keep_consts.append(const)
             else:
                 (donated if id(var) in written else readonly).append((var, cvar))
-        invars = [c for _, c in donated] + [c for _, c in readonly] + list(jaxpr.invars)
-        lifted = jaxpr.replace(constvars=keep_vars, invars=invars, debug_info=None)
+        moved = donated + readonly
+        invars = [c for _, c in moved] + list(jaxpr.invars)
+        info = jaxpr.debug_info
+        if info is not None and info.arg_names is not None:
+            info = info._replace(arg_names=(*(v.name for v, _ in moved), *info.arg_names))
+        lifted = jaxpr.replace(constvars=keep_vars, invars=invars, debug_info=info)
         fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
         n_out = len(jaxpr.outvars) - len(assigned)
 

@@ -143,14 +143,17 @@ def _run_bound(
     args: tuple,
     kwargs: dict,
     owner: str,
-) -> tuple[Any, list[Any], list[bool]]:
-    """Run ``fn`` with ``variables`` bound to ``values``: (out, new values, which assigned)."""
-    frame = _trace.Frame(owner, {id(v): (v, x) for v, x in zip(variables, values)})
+    open: bool = False,
+) -> tuple[Any, list[Any], _trace.Frame]:
+    """Run ``fn`` with ``variables`` bound to ``values``: (out, their new values, the frame).
+
+    With ``open``, assigns to other variables are recorded in the frame, not refused."""
+    frame = _trace.Frame(owner, {id(v): (v, x) for v, x in zip(variables, values)}, open=open)
     with _trace.push(frame):
         out = fn(*args, **kwargs)
         out = jax.tree_util.tree_map(_as_value, out, is_leaf=_is_var)
         new = [frame.values[id(v)] for v in variables]
-    return out, new, [id(v) in frame.assigned for v in variables]
+    return out, new, frame
 
 
 def _is_var(x: Any) -> bool:
@@ -222,24 +225,22 @@ def value_and_grad(
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         values = [v.value() for v in found]
-        assigned: list[bool] = []
+        assigned: list[Variable] = []
 
         def loss(vals: list[Any]) -> tuple[Any, tuple[Any, list[Any]]]:
-            out, new, mask = _run_bound(fn, found, vals, args, kwargs, owner)
-            assigned[:] = mask
-            if has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        f"{owner} with has_aux=True needs fn to return (value, aux), got "
-                        f"{type(out).__name__}."
-                    )
-                return out[0], (out, new)
-            return out, (out, new)
+            out, _, frame = _run_bound(fn, found, vals, args, kwargs, owner, open=True)
+            assigned[:] = frame.assigned.values()
+            if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    f"{owner} with has_aux=True needs fn to return (value, aux), got "
+                    f"{type(out).__name__}."
+                )
+            new = [frame.values[id(v)] for v in assigned]
+            return (out[0] if has_aux else out), (out, new)
 
         (_, (out, new)), grads = jax.value_and_grad(loss, has_aux=True)(values)
-        for var, did, x in zip(found, assigned, new):
-            if did:
-                var._swap(x)
+        for var, x in zip(assigned, new):  # assigns made by fn take effect, as in eager code
+            var._swap(x)
         return out, rebuild(grads)
 
     return wrapped

@@ -483,10 +483,11 @@ def _initial_value(initial_value: Any, dtype: Any, full_name: str) -> Any:
         value = _unwrap(initial_value)
         if isinstance(value, _Tracer):
             raise ValueError(
-                f"The initial value of variable '{full_name}' depends on a traced value (an "
-                "argument of a jit-compiled function). Initial values are computed once, "
-                "outside the trace: build it from concrete data or an initializer, or create "
-                "the variable outside the function."
+                f"The initial value of variable '{full_name}' is a traced value: it was "
+                "computed inside a jit-compiled trace. Initial values are computed once, "
+                "outside the trace: pass a callable, e.g. ps.Variable(lambda: "
+                "jnp.zeros(shape)), or an initializer's result, or create the variable "
+                "outside the function. It may not depend on the function's arguments."
             )
         if want is not None and want == _STRING:
             return _to_strings(np.asarray(value))

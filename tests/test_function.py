@@ -1,0 +1,462 @@
+"""ps.function: lifting, swapping, donation, traces, errors."""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paramstore as ps
+
+
+@pytest.fixture(autouse=True)
+def _fresh_store():
+    with ps.VariableStore() as store:
+        yield store
+
+
+class Dense(ps.Module):
+    def __init__(self, n_in: int, n_out: int, name: str | None = None):
+        self.w = ps.Variable(jnp.full((n_in, n_out), 0.1, jnp.float32), name="w")
+        self.b = ps.Variable(jnp.zeros(n_out), name="b")
+
+    def __call__(self, x):
+        return x @ self.w + self.b
+
+
+def snapshot(variables):
+    return [(v.name, v.dtype, v.shape, np.array(v.numpy())) for v in variables]
+
+
+def assert_unchanged(before, variables):
+    after = snapshot(variables)
+    assert len(before) == len(after)
+    for (n0, d0, s0, a0), (n1, d1, s1, a1) in zip(before, after):
+        assert (n0, d0, s0) == (n1, d1, s1)
+        np.testing.assert_array_equal(a0, a1)
+
+
+# ----------------------------------------------------------------------- reads & writes
+
+
+def test_closed_over_variable_is_an_input_not_a_constant():
+    v = ps.Variable(1.0)
+
+    @ps.function
+    def f(x):
+        return x * v
+
+    assert float(f(2.0)) == 2.0
+    v.assign(5.0)  # an assign between calls is seen, without a retrace
+    assert float(f(2.0)) == 10.0
+    assert f.trace_count == 1
+
+
+def test_assigns_are_swapped_in_and_seen_by_later_calls():
+    v = ps.Variable(0)
+
+    @ps.function
+    def inc():
+        v.assign_add(1)
+        return v.value()
+
+    assert [int(inc()) for _ in range(3)] == [1, 2, 3]
+    assert int(v.numpy()) == 3
+    assert inc.trace_count == 1
+
+
+def test_variables_passed_as_args_in_lists_dicts_and_modules():
+    a, b = ps.Variable(1.0), ps.Variable(2.0)
+    m = Dense(2, 1)
+
+    @ps.function
+    def f(pair, mapping, module, x):
+        pair[0].assign_add(1.0)
+        mapping["b"].assign_sub(1.0)
+        return module(x).sum() + pair[1] + mapping["b"]
+
+    x = jnp.ones((1, 2))
+    out = f([a, b], {"b": b}, m, x)
+    assert float(a.numpy()) == 2.0
+    assert float(b.numpy()) == 1.0
+    np.testing.assert_allclose(float(out), 0.2 + 1.0 + 1.0, rtol=1e-6)  # b read after its assign
+    m.w.assign(jnp.ones((2, 1)))
+    out = f([a, b], {"b": b}, m, x)
+    np.testing.assert_allclose(float(out), 2.0 + 0.0 + 0.0, rtol=1e-6)
+    assert f.trace_count == 1
+
+
+def test_other_variable_objects_get_their_own_trace():
+    a, b = ps.Variable(1.0), ps.Variable(10.0)
+
+    @ps.function
+    def f(v):
+        v.assign_add(1.0)
+        return v.value()
+
+    assert float(f(a)) == 2.0
+    assert float(f(b)) == 11.0
+    assert float(a.numpy()) == 2.0 and float(b.numpy()) == 11.0
+
+
+def test_same_array_shared_by_two_variables_stays_two_inputs():
+    arr = jnp.arange(3.0)
+    a, b = ps.Variable(arr), ps.Variable(arr)
+
+    @ps.function
+    def f():
+        a.assign_add(1.0)
+        return b.value()
+
+    np.testing.assert_array_equal(f(), [0.0, 1.0, 2.0])
+    b.assign([5.0, 5.0, 5.0])
+    np.testing.assert_array_equal(f(), [5.0, 5.0, 5.0])
+    np.testing.assert_array_equal(a.numpy(), [2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(arr, [0.0, 1.0, 2.0])  # the user's array survives donation
+
+
+def test_returning_a_variable_returns_its_value():
+    v = ps.Variable([1.0, 2.0])
+
+    @ps.function
+    def f():
+        v.assign(v * 2)
+        return v, {"half": v[0]}
+
+    out, extra = f()
+    assert isinstance(out, jax.Array)
+    np.testing.assert_array_equal(out, [2.0, 4.0])
+    assert float(extra["half"]) == 2.0
+
+
+# ------------------------------------------------------------------------------ traces
+
+
+def test_one_trace_per_signature_and_static_args():
+    calls = []
+
+    @ps.function(static_argnums=(1,))
+    def f(x, power):
+        calls.append(power)
+        return x**power
+
+    f(jnp.ones(2), 2)
+    f(jnp.ones(2) * 3, 2)
+    assert f.trace_count == 1 and len(calls) == 1
+    f(jnp.ones(3), 2)  # new shape
+    f(jnp.ones(3), 3)  # new static arg
+    f(jnp.ones(3, jnp.int32), 3)  # new dtype
+    assert f.trace_count == 4 and len(calls) == 4
+
+
+def test_static_argnames_and_kwargs():
+    @ps.function(static_argnames="mode")
+    def f(x, mode="double"):
+        return x * (2 if mode == "double" else 3)
+
+    assert float(f(1.0)) == 2.0
+    assert float(f(1.0, mode="triple")) == 3.0
+    assert float(f(x=1.0, mode="triple")) == 3.0
+
+
+def test_unhashable_static_argument_is_a_clear_error():
+    v = ps.Variable(1.0)
+
+    @ps.function(static_argnums=1)
+    def f(x, cfg):
+        v.assign_add(1.0)
+        return x
+
+    with pytest.raises(TypeError, match=r"Static argument at position 1 .* unhashable \(type list\)"):
+        f(1.0, [1, 2])
+    assert float(v.numpy()) == 1.0
+    assert f.trace_count == 0
+
+
+def test_non_array_argument_must_be_static():
+    @ps.function
+    def f(x, label):
+        return x
+
+    with pytest.raises(TypeError, match="type str .*static_argnums"):
+        f(1.0, "hello")
+
+
+def test_variables_created_on_first_trace_live_on():
+    holder = {}
+
+    @ps.function
+    def f(x):
+        if "v" not in holder:
+            holder["v"] = ps.Variable(lambda: jnp.zeros(x.shape), name="acc")
+        holder["v"].assign_add(x)
+        return holder["v"].value()
+
+    f(jnp.ones(2))
+    f(jnp.ones(2))
+    v = holder["v"]
+    assert v.name == "acc"
+    np.testing.assert_array_equal(v.numpy(), [2.0, 2.0])
+    assert not isinstance(v.value(), jax.core.Tracer)
+
+
+def test_creating_variables_on_a_non_first_trace_raises_and_changes_nothing(_fresh_store):
+    counter = ps.Variable(0, name="counter")
+
+    @ps.function
+    def f(x):
+        counter.assign_add(1)
+        ps.Variable(1.0, name="fresh")
+        return x
+
+    f(1.0)
+    assert int(counter.numpy()) == 1
+    n_vars = len(_fresh_store.variables())
+    with pytest.raises(
+        ValueError,
+        match=r"^ps\.function-decorated function tried to create variables on non-first trace\.",
+    ):
+        f(jnp.ones(3))
+    assert int(counter.numpy()) == 1
+    assert len(_fresh_store.variables()) == n_vars
+    assert f.trace_count == 1
+
+
+def test_initial_value_from_a_traced_value_is_a_clear_error(_fresh_store):
+    @ps.function
+    def f(x):
+        return ps.Variable(x * 2, name="bad").value()
+
+    with pytest.raises(ValueError, match="initial value of variable 'bad' is a traced value"):
+        f(1.0)
+    assert _fresh_store.variables() == []
+    assert f.trace_count == 0
+
+    @ps.function
+    def g(x):  # computed in the trace body, not from the argument: still traced
+        return ps.Variable(jnp.zeros(3), name="zeros").value()
+
+    with pytest.raises(ValueError, match=r"pass a callable, e\.g\. ps\.Variable\(lambda"):
+        g(1.0)
+    assert _fresh_store.variables() == []
+
+
+def test_initializer_variable_inside_first_trace_is_concrete():
+    holder = []
+
+    @ps.function
+    def f(x):
+        if not holder:
+            holder.append(ps.Variable(lambda: ps.initializers.ones()((2,)), name="w"))
+        return x * holder[0]
+
+    np.testing.assert_array_equal(f(jnp.ones(2)), [1.0, 1.0])
+    np.testing.assert_array_equal(holder[0].numpy(), [1.0, 1.0])
+
+
+def test_exceptions_leave_every_variable_as_it_was():
+    a, b = ps.Variable(1.0), ps.Variable(2.0)
+
+    @ps.function
+    def f(x, fail):
+        a.assign(x)
+        if fail:
+            raise RuntimeError("boom")
+        b.assign(x)
+        return x
+
+    f = ps.function(f.__wrapped__, static_argnums=1)
+    before = snapshot([a, b])
+    with pytest.raises(RuntimeError, match="boom"):
+        f(10.0, True)
+    assert_unchanged(before, [a, b])
+    f(10.0, False)
+    assert float(a.numpy()) == 10.0 and float(b.numpy()) == 10.0
+
+
+def test_string_variable_inside_function_is_a_type_error():
+    s = ps.Variable(["abc"], name="label")
+    v = ps.Variable(1.0)
+
+    @ps.function
+    def f():
+        v.assign_add(1.0)
+        return s.value()
+
+    with pytest.raises(TypeError, match="'label' holds strings"):
+        f()
+    assert float(v.numpy()) == 1.0
+    assert s.numpy().tolist() == ["abc"]
+
+
+# ------------------------------------------------------------------------------ methods
+
+
+def test_methods_trace_per_instance():
+    class Counter(ps.Module):
+        def __init__(self):
+            self.n = None
+
+        @ps.function
+        def step(self, x):
+            if self.n is None:
+                self.n = ps.Variable(0, name="n")
+            self.n.assign_add(x)
+            return self.n.value()
+
+    c1, c2 = Counter(), Counter()
+    assert int(c1.step(1)) == 1
+    assert int(c2.step(5)) == 5  # c2 creates its variable on its own first trace
+    assert int(c1.step(1)) == 2
+    assert c1.step.trace_count == 1 and c2.step.trace_count == 1
+    assert c1.n.name != c2.n.name
+
+
+# -------------------------------------------------------------------- transformations
+
+
+def test_nested_functions_and_jax_transforms_inside():
+    v = ps.Variable(jnp.arange(3.0))
+
+    @ps.function
+    def inner(x):
+        v.assign(v * x)
+        return v.sum()
+
+    @ps.function
+    def outer(x):
+        s = inner(x)
+        g = jax.grad(lambda y: jnp.sum(jnp.sin(y) * v))(x)
+        batched = jax.vmap(lambda row: row * 2)(jnp.stack([v.value(), v.value()]))
+        scanned, _ = jax.lax.scan(lambda c, r: (c + r, None), 0.0, v.value())
+        return s, g, batched, scanned
+
+    s, g, batched, scanned = outer(jnp.float32(2.0))
+    np.testing.assert_allclose(v.numpy(), [0.0, 2.0, 4.0])
+    assert float(s) == 6.0
+    np.testing.assert_allclose(g, np.cos(2.0) * 6.0, rtol=1e-6)
+    np.testing.assert_allclose(batched, [[0, 4, 8], [0, 4, 8]])
+    assert float(scanned) == 6.0
+    assert outer.trace_count == 1
+
+
+def test_grad_inside_function_trains():
+    m = Dense(3, 1)
+    x = jnp.ones((4, 3))
+    y = jnp.full((4, 1), 2.0)
+
+    @ps.function
+    def step():
+        loss, grads = ps.value_and_grad(lambda: jnp.mean((m(x) - y) ** 2), m)()
+        for var, g in zip(m.trainable_variables, grads):
+            var.assign_sub(0.05 * g)
+        return loss
+
+    losses = [float(step()) for _ in range(30)]
+    assert losses[-1] < losses[0] * 0.01
+    assert step.trace_count == 1
+
+
+def test_leaked_tracer_assign_from_plain_jit_is_a_clear_error():
+    v = ps.Variable(1.0)
+
+    with pytest.raises(TypeError, match="plain JAX transformation.*ps.function.*ps.pure"):
+        jax.jit(lambda x: v.assign(x))(2.0)
+    assert float(v.numpy()) == 1.0
+    with pytest.raises(TypeError, match="leaked tracer"):
+        jax.grad(lambda x: (v.assign(x), x)[1])(2.0)
+    assert float(v.numpy()) == 1.0
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_function_that_assigns_inside_plain_vmap_is_a_clear_error():
+    v = ps.Variable(0.0)
+
+    @ps.function
+    def f(x):
+        v.assign_add(x)
+        return x
+
+    with pytest.raises(TypeError, match="called inside a plain JAX transformation"):
+        jax.vmap(f)(jnp.ones(3))
+    assert float(v.numpy()) == 0.0
+
+
+def test_tracer_used_outside_its_trace_raises():
+    v = ps.Variable(1.0)
+    leaked = []
+
+    @ps.function
+    def f(x):
+        leaked.append(v.value() * x)
+        return x
+
+    f(1.0)
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        _ = leaked[0] + 1
+
+
+# --------------------------------------------------------------------------- donation
+
+
+def test_assigned_buffers_are_donated_and_updated_in_place():
+    v = ps.Variable(jnp.zeros(1024))
+
+    @ps.function
+    def step():
+        v.assign_add(1.0)
+
+    step()
+    ptr = v.value().unsafe_buffer_pointer()
+    for _ in range(3):
+        step()
+    assert v.value().unsafe_buffer_pointer() == ptr
+    assert float(v.numpy()[0]) == 4.0
+
+
+def test_an_array_the_user_holds_stays_valid():
+    v = ps.Variable(jnp.zeros(8))
+
+    @ps.function
+    def step():
+        v.assign_add(1.0)
+
+    step()
+    old = v.value()
+    step()
+    gc.collect()
+    np.testing.assert_array_equal(old, np.ones(8))  # not deleted, not overwritten
+    np.testing.assert_array_equal(v.numpy(), np.full(8, 2.0))
+
+
+def test_donate_false_never_donates():
+    v = ps.Variable(jnp.zeros(16))
+    def inc():
+        v.assign_add(1.0)
+
+    f = ps.function(inc, donate=False)
+    f()
+    old = v.value()
+    f()
+    assert float(v.numpy()[0]) == 2.0
+    assert float(old[0]) == 1.0 and not old.is_deleted()
+
+
+def test_memory_analysis_shows_aliasing():
+    """The compiled step's outputs alias the donated variable buffers (no extra copy)."""
+    v = ps.Variable(jnp.zeros((256, 256)))
+
+    @ps.function
+    def step():
+        v.assign(v * 2.0 + 1.0)
+
+    step()
+    entry = next(iter(step._cache.values()))
+    compiled = entry.runner.lower([v.value()], [], []).compile()
+    stats = compiled.memory_analysis()
+    if stats is None:
+        pytest.skip("this backend reports no memory analysis")
+    assert stats.alias_size_in_bytes >= 256 * 256 * 4
