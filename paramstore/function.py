@@ -31,7 +31,9 @@ import operator
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import jax
@@ -103,9 +105,9 @@ class _Entry:
             leaves = [x for i, x in enumerate(leaves) if i not in pos]
         don = list(map(_get_value, self.donated))
         if self.donate:
-            for i, count in enumerate(map(sys.getrefcount, don)):
-                if count > _OWN_REFS:  # someone else holds it: donate a copy instead
-                    don[i] = jnp.array(don[i], copy=True)
+            counts = list(map(sys.getrefcount, don))
+            if max(counts) > _OWN_REFS:  # someone else holds an array: donate a copy of it
+                don = [jnp.array(x, copy=True) if c > _OWN_REFS else x for x, c in zip(don, counts)]
         ro = list(map(_get_value, self.readonly))
         out, new = self.runner(don, ro, leaves)
         if new:
@@ -117,8 +119,7 @@ class _Entry:
                     "values would be leaked tracers. Call it outside, make the outer function "
                     "a ps.function too, or use ps.pure."
                 )
-            for v, x in zip(self.assigned, new):
-                v._value = x
+            deque(map(setattr, self.assigned, repeat("_value"), new), maxlen=0)
         return jax.tree_util.tree_unflatten(self.out_tree, out)
 
     def alive(self, leaves: list[Any]) -> bool:

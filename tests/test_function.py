@@ -432,6 +432,23 @@ def test_an_array_the_user_holds_stays_valid():
     np.testing.assert_array_equal(v.numpy(), np.full(8, 2.0))
 
 
+def test_only_the_held_array_is_copied_before_donation():
+    a, b = ps.Variable(jnp.zeros(64)), ps.Variable(jnp.zeros(64))
+
+    @ps.function
+    def step():
+        a.assign_add(1.0)
+        b.assign_add(1.0)
+
+    step()
+    held = a.value()
+    ptr_b = b.value().unsafe_buffer_pointer()
+    step()
+    assert b.value().unsafe_buffer_pointer() == ptr_b  # b still updated in place
+    np.testing.assert_array_equal(held, np.ones(64))  # a's old array survived
+    np.testing.assert_array_equal(a.numpy(), np.full(64, 2.0))
+
+
 def test_donate_false_never_donates():
     v = ps.Variable(jnp.zeros(16))
     def inc():
