@@ -1,0 +1,308 @@
+"""One optax Adam training step, per step, side by side with the alternatives.
+
+Run: ``python benchmarks/step.py`` (``--quick`` for a short run, ``--models dispatch``...).
+
+Each variant trains the same MLP with ``optax.adam``; every step is timed two ways:
+* blocking: wait for the loss after every step (latency of one step);
+* async: dispatch all steps, wait once at the end (throughput when dispatch overlaps).
+Each figure is the median over ``--repeats`` runs of ``--steps`` steps; ratios are to the
+reference (hand-written ``jax.jit`` over ``(params, opt_state)`` with donation) measured
+in the same run. ``first call`` is trace + compile + one step, against ``jax.jit``'s.
+
+Variants needing packages that are not installed (flax, equinox, tensorflow) are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import paramstore as ps
+
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    layers: int
+    width: int
+    batch: int
+
+
+MODELS = {
+    "dispatch": Config("dispatch-bound (4 x 32, batch 8)", 4, 32, 8),
+    "many": Config("many-variable (100 x 16, batch 8)", 100, 16, 8),
+    "compute": Config("compute-bound (4 x 1024, batch 256)", 4, 1024, 256),
+}
+
+
+def init_params(cfg: Config) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    scale = 1.0 / np.sqrt(cfg.width)
+    return [
+        (
+            (rng.standard_normal((cfg.width, cfg.width)) * scale).astype(np.float32),
+            np.zeros(cfg.width, np.float32),
+        )
+        for _ in range(cfg.layers)
+    ]
+
+
+def data(cfg: Config) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((cfg.batch, cfg.width)).astype(np.float32)
+    y = rng.standard_normal((cfg.batch, cfg.width)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(y)
+
+
+def mlp(params, x):
+    for i, (w, b) in enumerate(params):
+        x = x @ w + b
+        if i < len(params) - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+# A variant: build(cfg) -> step() that runs one step and returns the loss (a jax.Array).
+Variant = Callable[[Config], Callable[[], jax.Array]]
+
+
+def jax_reference(donate: bool) -> Variant:
+    def build(cfg: Config) -> Callable[[], jax.Array]:
+        tx = optax.adam(LR)
+        params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in init_params(cfg)]
+        state = [params, tx.init(params)]
+        x, y = data(cfg)
+
+        def step(params, opt_state, x, y):
+            loss, grads = jax.value_and_grad(lambda p: jnp.mean((mlp(p, x) - y) ** 2))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+        def run() -> jax.Array:
+            state[0], state[1], loss = jitted(state[0], state[1], x, y)
+            return loss
+
+        return run
+
+    return build
+
+
+class MLP(ps.Module):
+    def __init__(self, cfg: Config):
+        self.layers = [
+            (ps.Variable(w, name=f"w{i}"), ps.Variable(b, name=f"b{i}"))
+            for i, (w, b) in enumerate(init_params(cfg))
+        ]
+
+    def __call__(self, x):
+        return mlp(self.layers, x)
+
+
+def paramstore_function(cfg: Config) -> Callable[[], jax.Array]:
+    model = MLP(cfg)
+    x, y = data(cfg)
+    tx = optax.adam(LR)
+    if hasattr(ps.Optimizer, "apply_gradients"):
+        opt = ps.Optimizer(tx, model)
+
+        @ps.function
+        def step(x, y):
+            loss, grads = ps.value_and_grad(lambda: jnp.mean((model(x) - y) ** 2), model)()
+            opt.apply_gradients(grads)
+            return loss
+
+    else:  # manual optax update, until ps.Optimizer exists
+        params = model.trainable_variables
+        leaves, treedef = jax.tree_util.tree_flatten(tx.init(tuple(p.value() for p in params)))
+        slots = [ps.Variable(leaf, trainable=False, name="adam") for leaf in leaves]
+
+        @ps.function
+        def step(x, y):
+            loss, grads = ps.value_and_grad(lambda: jnp.mean((model(x) - y) ** 2), params)()
+            opt_state = jax.tree_util.tree_unflatten(treedef, [s.value() for s in slots])
+            updates, opt_state = tx.update(grads, opt_state, tuple(p.value() for p in params))
+            for p, u in zip(params, updates):
+                p.assign_add(u)
+            for s, v in zip(slots, jax.tree_util.tree_leaves(opt_state)):
+                s.assign(v)
+            return loss
+
+    return lambda: step(x, y)
+
+
+def flax_nnx(cfg: Config, fast: bool = False) -> Callable[[], jax.Array]:
+    """nnx.jit in its default graph mode, or (fast) nnx.jit_partial in tree mode, donated."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List(
+                [nnx.List([nnx.Param(jnp.asarray(w)), nnx.Param(jnp.asarray(b))]) for w, b in init_params(cfg)]
+            )
+
+        def __call__(self, x):
+            return mlp([(w[...], b[...]) for w, b in self.layers], x)
+
+    model = Model()
+    opt = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    x, y = data(cfg)
+
+    def step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    if fast:
+        partial = nnx.jit_partial(step, model, opt, graph=False, donate_argnums=(0, 1))
+        return lambda: partial(x, y)
+    jitted = nnx.jit(step)
+    return lambda: jitted(model, opt, x, y)
+
+
+def equinox_filter_jit(cfg: Config) -> Callable[[], jax.Array]:
+    import equinox as eqx
+
+    class Model(eqx.Module):
+        layers: list
+
+        def __call__(self, x):
+            return mlp(self.layers, x)
+
+    model = Model([(jnp.asarray(w), jnp.asarray(b)) for w, b in init_params(cfg)])
+    tx = optax.adam(LR)
+    state = [model, tx.init(eqx.filter(model, eqx.is_array))]
+    x, y = data(cfg)
+
+    @eqx.filter_jit(donate="all")
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        updates, opt_state = tx.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    def run() -> jax.Array:
+        state[0], state[1], loss = step(state[0], state[1], x, y)
+        return loss
+
+    return run
+
+
+def tf_function(cfg: Config) -> Callable[[], object]:
+    import tensorflow as tf
+
+    params = [(tf.Variable(w), tf.Variable(b)) for w, b in init_params(cfg)]
+    flat = [v for pair in params for v in pair]
+    opt = tf.keras.optimizers.Adam(LR)
+    xn, yn = (np.asarray(a) for a in data(cfg))
+    x, y = tf.constant(xn), tf.constant(yn)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            h = x
+            for i, (w, b) in enumerate(params):
+                h = h @ w + b
+                if i < len(params) - 1:
+                    h = tf.tanh(h)
+            loss = tf.reduce_mean((h - y) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, flat), flat))
+        return loss
+
+    return step
+
+
+VARIANTS: dict[str, Variant] = {
+    "jax.jit (donated) [reference]": jax_reference(donate=True),
+    "jax.jit (no donation)": jax_reference(donate=False),
+    "ps.function": paramstore_function,
+    "flax nnx.jit": flax_nnx,
+    "flax nnx.jit_partial (tree, donated)": lambda cfg: flax_nnx(cfg, fast=True),
+    "equinox filter_jit": equinox_filter_jit,
+    "tf.function": tf_function,
+}
+
+
+def _block(x: object) -> None:
+    if hasattr(x, "block_until_ready"):
+        x.block_until_ready()  # type: ignore[union-attr]
+    elif hasattr(x, "numpy"):
+        x.numpy()  # type: ignore[union-attr]
+
+
+def time_steps(run: Callable[[], object], steps: int, repeats: int) -> tuple[float, float]:
+    """Median seconds per step: (blocking, async)."""
+    blocking, asynchronous = [], []
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _block(run())
+        blocking.append((time.perf_counter() - t0) / steps)
+        t0 = time.perf_counter()
+        loss = None
+        for _ in range(steps):
+            loss = run()
+        _block(loss)
+        asynchronous.append((time.perf_counter() - t0) / steps)
+    return statistics.median(blocking), statistics.median(asynchronous)
+
+
+def first_call(build: Variant, cfg: Config) -> float:
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    _block(build(cfg)())
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--variants", nargs="*", default=None, help="substrings to select")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 20, 3
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.repeats} repeats")
+    for key in args.models:
+        cfg = MODELS[key]
+        steps = args.steps if key != "compute" else max(args.steps // 4, 10)
+        print(f"\n## {cfg.name}: {steps} steps, Adam")
+        print(f"{'variant':38} {'blocking us':>12} {'ratio':>7} {'async us':>10} {'ratio':>7}")
+        ref: tuple[float, float] | None = None
+        for name, build in VARIANTS.items():
+            if args.variants and not any(s in name for s in args.variants) and ref is not None:
+                continue
+            try:
+                with ps.VariableStore():
+                    run = build(cfg)
+                    for _ in range(3):
+                        _block(run())  # compile and warm up
+                    b, a = time_steps(run, steps, args.repeats)
+            except ImportError as e:
+                print(f"{name:38} skipped ({e.name} not installed)")
+                continue
+            ref = ref or (b, a)
+            print(f"{name:38} {b * 1e6:12.1f} {b / ref[0]:7.2f} {a * 1e6:10.1f} {a / ref[1]:7.2f}")
+        ratios = []
+        for _ in range(args.repeats if not args.quick else 1):
+            with ps.VariableStore():
+                ratios.append(first_call(paramstore_function, cfg) / first_call(jax_reference(True), cfg))
+        print(f"first call (trace+compile+step), ps.function / jax.jit: {statistics.median(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
