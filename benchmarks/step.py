@@ -150,7 +150,10 @@ def flax_nnx(cfg: Config, fast: bool = False) -> Callable[[], jax.Array]:
     class Model(nnx.Module):
         def __init__(self):
             self.layers = nnx.List(
-                [nnx.List([nnx.Param(jnp.asarray(w)), nnx.Param(jnp.asarray(b))]) for w, b in init_params(cfg)]
+                [
+                    nnx.List([nnx.Param(jnp.asarray(w)), nnx.Param(jnp.asarray(b))])
+                    for w, b in init_params(cfg)
+                ]
             )
 
         def __call__(self, x):
@@ -300,8 +303,12 @@ def main() -> None:
         ratios = []
         for _ in range(args.repeats if not args.quick else 1):
             with ps.VariableStore():
-                ratios.append(first_call(paramstore_function, cfg) / first_call(jax_reference(True), cfg))
-        print(f"first call (trace+compile+step), ps.function / jax.jit: {statistics.median(ratios):.2f}x")
+                ratios.append(
+                    first_call(paramstore_function, cfg) / first_call(jax_reference(True), cfg)
+                )
+        print(
+            f"first call (trace+compile+step), ps.function / jax.jit: {statistics.median(ratios):.2f}x"
+        )
 
 
 if __name__ == "__main__":

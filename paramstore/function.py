@@ -32,7 +32,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from itertools import repeat
 from typing import Any
 
@@ -134,14 +134,15 @@ class Function:
         self,
         fn: Callable[..., Any],
         *,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
+        static_argnums: int | Iterable[int] = (),
+        static_argnames: str | Iterable[str] = (),
         donate: bool = True,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"ps.function expects a callable, got {type(fn).__name__}.")
         functools.update_wrapper(self, fn)
         self._fn = fn
+        self._name: str = getattr(fn, "__name__", type(fn).__name__)
         self._donate = bool(donate)
         self._static_argnums, self._static_argnames = _static_args(
             fn, static_argnums, static_argnames
@@ -190,7 +191,7 @@ class Function:
             raise TypeError(self._unhashable_message(static)) from None
         if entry is None or (entry.ref_pos and not entry.alive(leaves)):
             with self._lock:
-                entry = self._trace(key, leaves, treedef, static)
+                entry = self._trace_signature(key, leaves, treedef, static)
         return entry(leaves)
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
@@ -210,12 +211,12 @@ class Function:
             except TypeError:
                 label = f"position {where}" if isinstance(where, int) else f"'{where}'"
                 return (
-                    f"Static argument at {label} of {self.__name__}() is unhashable (type "
+                    f"Static argument at {label} of {self._name}() is unhashable (type "
                     f"{type(value).__name__}): ps.function keys its traces on static "
                     "arguments. Pass a hashable value (a tuple instead of a list), or pass "
                     "arrays as regular (traced) arguments."
                 )
-        return f"An argument of {self.__name__}() is unhashable."
+        return f"An argument of {self._name}() is unhashable."
 
     def _merge(self, dyn: Any, static: tuple) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs = list(dyn[0]), dict(dyn[1])
@@ -225,10 +226,9 @@ class Function:
             kwargs.update(static[1])
         return args, kwargs
 
-    def _trace(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
-        name = getattr(self, "__name__", "fn")
+    def _trace_signature(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
         frame = _trace.Frame(
-            f"ps.function '{name}'", capture=True, allow_create=self.trace_count == 0
+            f"ps.function '{self._name}'", capture=True, allow_create=self.trace_count == 0
         )
         ref_pos = [i for i, x in enumerate(leaves) if _is_ref(x)]
         refs = {i: leaves[i] for i in ref_pos}
@@ -317,7 +317,7 @@ class Function:
 
 
 def _static_args(
-    fn: Callable[..., Any], nums: int | Sequence[int], names: str | Sequence[str]
+    fn: Callable[..., Any], nums: int | Iterable[int], names: str | Iterable[str]
 ) -> tuple[frozenset[int], frozenset[str]]:
     """Static positions and names, each completed from the other through the signature."""
     nums = (nums,) if isinstance(nums, int) else tuple(nums)
@@ -327,9 +327,7 @@ def _static_args(
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         params = []
-    positional = [
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     for i in nums:
         if 0 <= i < len(positional):
             name_set.add(positional[i])
@@ -342,8 +340,8 @@ def _static_args(
 def function(
     fn: Callable[..., Any] | None = None,
     *,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
     donate: bool = True,
 ) -> Any:
     """Compile ``fn`` with ``jax.jit``, reading and updating Variables like eager code.

@@ -42,6 +42,7 @@ class State(Mapping[str, Any]):
     """An immutable ``{name: array}`` mapping, registered as a pytree keyed by name."""
 
     __slots__ = ("_dict",)
+    _dict: dict[str, Any]
 
     def __init__(self, items: Mapping[str, Any] | Any = ()) -> None:
         object.__setattr__(self, "_dict", dict(items))

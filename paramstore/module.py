@@ -63,7 +63,7 @@ class Module:
             with self.name_scope:
                 init(self, *args, **kw)
 
-        cls.__init__ = wrapped  # type: ignore[misc]
+        cls.__init__ = wrapped  # type: ignore[method-assign]
 
     def __init__(self, name: str | None = None) -> None:
         if "_scope_name" in self.__dict__:

@@ -42,6 +42,9 @@ from paramstore import sharding as _sharding
 __all__ = ["Variable", "VariableSlice", "Reference"]
 
 _STRING = np.dtypes.StringDType()
+# Eager updates call these directly: jit's C++ dispatch skips jnp's Python argument checks.
+_EAGER_ADD = jax.jit(jnp.add)
+_EAGER_SUB = jax.jit(jnp.subtract)
 _Tracer = jax.core.Tracer
 
 
@@ -392,22 +395,26 @@ class Variable(_ArrayOps):
 
     def assign_add(self, delta: Any, read_value: bool = True) -> Variable | None:
         """``self += delta`` atomically (delta broadcasts to the variable's shape)."""
-        self._update(delta, jnp.add, "add")
+        self._update(delta, _EAGER_ADD, "add")
         return self if read_value else None
 
     def assign_sub(self, delta: Any, read_value: bool = True) -> Variable | None:
         """``self -= delta`` atomically (delta broadcasts to the variable's shape)."""
-        self._update(delta, jnp.subtract, "subtract")
+        self._update(delta, _EAGER_SUB, "subtract")
         return self if read_value else None
 
-    def _update(self, delta: Any, op: Callable[[Any, Any], Any], what: str) -> None:
+    def _update(self, delta: Any, eager_op: Callable[[Any, Any], Any], what: str) -> None:
         if self._is_string:
             raise TypeError(f"Cannot {what} on string variable '{self._name}'.")
         d = self._coerce(delta, what)
         if d.shape != self._shape and not _broadcasts(d.shape, self._shape):
             raise _shape_error(self._name, self._shape, tuple(d.shape))
         with self._lock:
-            self._swap(op(self.value(), d))
+            if _trace.depth:  # maybe traced: plain jnp ops, no nested jit
+                op = jnp.add if eager_op is _EAGER_ADD else jnp.subtract
+                self._swap(op(self.value(), d))
+            else:
+                self._swap(eager_op(self._value, d))
 
     def _coerce(self, value: Any, op: str) -> Any:
         """``value`` as an array of this variable's dtype, or TypeError (no change made)."""

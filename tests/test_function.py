@@ -170,7 +170,9 @@ def test_unhashable_static_argument_is_a_clear_error():
         v.assign_add(1.0)
         return x
 
-    with pytest.raises(TypeError, match=r"Static argument at position 1 .* unhashable \(type list\)"):
+    with pytest.raises(
+        TypeError, match=r"Static argument at position 1 .* unhashable \(type list\)"
+    ):
         f(1.0, [1, 2])
     assert float(v.numpy()) == 1.0
     assert f.trace_count == 0
@@ -451,6 +453,7 @@ def test_only_the_held_array_is_copied_before_donation():
 
 def test_donate_false_never_donates():
     v = ps.Variable(jnp.zeros(16))
+
     def inc():
         v.assign_add(1.0)
 

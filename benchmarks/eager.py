@@ -1,0 +1,86 @@
+"""Eager per-call cost of ``v.assign_add(d)`` and ``v + 1`` on a 1,000-element float32.
+
+Run: ``python benchmarks/eager.py``. Compares with the same operation on a bare jax.Array
+(the anchor: ``x = x + d``) and on ``tf.Variable`` when TensorFlow is installed. Medians of
+``--repeats`` runs of ``--calls`` calls; ratios to the jax.Array anchor of the same run.
+Target: eager ``assign_add`` within 1.5x of ``x = x + d``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import paramstore as ps
+
+
+def per_call(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    for _ in range(calls // 10):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    jax.block_until_ready(fn())
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    d = jnp.ones(1000, jnp.float32)
+    box = [jnp.zeros(1000, jnp.float32)]
+
+    def jax_add() -> object:
+        box[0] = box[0] + d
+        return box[0]
+
+    v = ps.Variable(np.zeros(1000, np.float32), name="bench")
+    rows: list[tuple[str, float, float]] = []
+    anchor_add = per_call(jax_add, args.calls, args.repeats)
+    anchor_plus = per_call(lambda: box[0] + 1, args.calls, args.repeats)
+    rows.append(("jax.Array: x = x + d / x + 1 [anchor]", anchor_add, anchor_plus))
+    rows.append(
+        (
+            "ps.Variable: v.assign_add(d) / v + 1",
+            per_call(lambda: v.assign_add(d, read_value=False), args.calls, args.repeats),
+            per_call(lambda: v + 1, args.calls, args.repeats),
+        )
+    )
+    try:
+        import tensorflow as tf
+
+        tv = tf.Variable(np.zeros(1000, np.float32))
+        td = tf.ones(1000)
+        rows.append(
+            (
+                "tf.Variable: v.assign_add(d) / v + 1",
+                per_call(lambda: tv.assign_add(td, read_value=False), args.calls, args.repeats),
+                per_call(lambda: tv + 1, args.calls, args.repeats),
+            )
+        )
+    except ImportError:
+        rows.append(("tf.Variable (TensorFlow not installed)", float("nan"), float("nan")))
+
+    print(f"jax {jax.__version__}; median of {args.repeats} x {args.calls} calls")
+    print(f"{'':42} {'assign_add us':>14} {'ratio':>6} {'v + 1 us':>10} {'ratio':>6}")
+    for name, add, plus in rows:
+        print(
+            f"{name:42} {add * 1e6:14.2f} {add / anchor_add:6.2f} "
+            f"{plus * 1e6:10.2f} {plus / anchor_plus:6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
