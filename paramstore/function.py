@@ -295,9 +295,20 @@ class Function:
         fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
         n_out = len(jaxpr.outvars) - len(assigned)
 
+        # Assigned variables come back with the sharding they went in with, so the next
+        # call sees the same input shardings (no recompilation) and placement is kept.
+        keep = [
+            sh if len(sh.device_set) > 1 else None
+            for sh in (v._value.sharding for v in assigned)
+        ]
+
         def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
             res = fun(*don, *ro, *arrays)
-            return res[:n_out], res[n_out:]
+            new = [
+                x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+                for x, sh in zip(res[n_out:], keep)
+            ]
+            return res[:n_out], new
 
         donate = self._donate and bool(donated)
         runner = jax.jit(run, donate_argnums=(0,) if donate else ())
