@@ -88,6 +88,7 @@ class _Entry:
         out_tree: Any,
         ref_pos: list[int],
         refs: list[Any],
+        n_leaves: int,
         donate: bool,
     ) -> None:
         self.runner = runner
@@ -97,12 +98,12 @@ class _Entry:
         self.out_tree = out_tree
         self.ref_pos = ref_pos
         self.refs = [weakref.ref(r) for r in refs]
-        self.donate = donate and bool(donated)
+        self.array_pos = [i for i in range(n_leaves) if i not in set(ref_pos)]
+        self.donate = donate
 
     def __call__(self, leaves: list[Any]) -> Any:
-        if self.ref_pos:
-            pos = set(self.ref_pos)
-            leaves = [x for i, x in enumerate(leaves) if i not in pos]
+        if self.ref_pos:  # Variables/Modules passed as arguments are read, not passed
+            leaves = [leaves[i] for i in self.array_pos]
         don = list(map(_get_value, self.donated))
         if self.donate:
             counts = list(map(sys.getrefcount, don))
@@ -190,8 +191,10 @@ class Function:
         except TypeError:
             raise TypeError(self._unhashable_message(static)) from None
         if entry is None or (entry.ref_pos and not entry.alive(leaves)):
-            with self._lock:
-                entry = self._trace_signature(key, leaves, treedef, static)
+            with self._lock:  # one trace per signature, also when threads race to it
+                entry = self._cache.get(key)
+                if entry is None or (entry.ref_pos and not entry.alive(leaves)):
+                    entry = self._trace_signature(key, leaves, treedef, static)
         return entry(leaves)
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
@@ -258,7 +261,7 @@ class Function:
                 if id(var) not in before:
                     store._forget(var)
             raise
-        entry = self._lift(closed, frame, result, ref_pos, list(refs.values()))
+        entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
         self._cache[key] = entry
         self.trace_count += 1
         return entry
@@ -270,6 +273,7 @@ class Function:
         result: dict[str, Any],
         ref_pos: list[int],
         refs: list[Any],
+        n_leaves: int,
     ) -> _Entry:
         """Turn the constants that are variables' arrays into inputs; build the runner."""
         jaxpr = closed.jaxpr
@@ -298,8 +302,7 @@ class Function:
         # Assigned variables come back with the sharding they went in with, so the next
         # call sees the same input shardings (no recompilation) and placement is kept.
         keep = [
-            sh if len(sh.device_set) > 1 else None
-            for sh in (v._value.sharding for v in assigned)
+            sh if len(sh.device_set) > 1 else None for sh in (v._value.sharding for v in assigned)
         ]
 
         def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
@@ -320,6 +323,7 @@ class Function:
             result["out_tree"],
             ref_pos,
             refs,
+            n_leaves,
             donate,
         )
 
