@@ -4,13 +4,17 @@ Contract (API.md, "Modules"):
 
 * Variables and Modules assigned as attributes, or held in lists, tuples and dicts (any
   nesting) of attributes, are tracked. Traversal follows ``tf.Module._flatten`` exactly:
-  attributes in sorted order, containers in pytree order (dict keys sorted), a module's
-  own leaves before those of its submodules (which are then visited in the order found),
-  each object once.
+  attributes in sorted order, containers in ``tf.nest`` order (mapping keys sorted, an
+  ``OrderedDict``'s too; other JAX pytrees in their own order), a module's own leaves
+  before those of its submodules (which are then visited in the order found), each
+  object once.
 * ``name`` defaults to the class name in snake_case. Like Sonnet 2 (and unlike tf.Module),
   a subclass's ``__init__`` runs inside the module's name scope, so its variables are named
-  ``"<scope>/w"``. The scope is made unique in the store (``dense``, ``dense_1``, ...), so two
-  layers of one class never fight over names. ``with m.name_scope:`` re-enters it later.
+  ``"<scope>/w"``. The name is taken from the ``__init__``'s ``name`` argument (also through
+  ``**kwargs``), or from ``super().__init__(name=...)``, which renames the scope for the
+  variables created after it. The scope is made unique in the store (``dense``,
+  ``dense_1``, ...), so two layers of one class never fight over names.
+  ``with m.name_scope:`` re-enters it later.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -36,6 +40,37 @@ def _camel_to_snake(name: str) -> str:
 
 def _is_tracked(x: Any) -> bool:
     return isinstance(x, (Variable, Module))
+
+
+def _check_name(name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+        raise ValueError(
+            f"{name!r} is not a valid module name: use a Python identifier like 'dense'."
+        )
+
+
+def _leaves(x: Any) -> Iterator[Any]:
+    """``x`` flattened in ``tf.nest`` order, stopping at Variables and Modules: mapping keys
+    sorted (an OrderedDict's too), lists and tuples in order, other pytrees as JAX does."""
+    if _is_tracked(x):
+        yield x
+    elif isinstance(x, Mapping):
+        try:
+            keys = sorted(x)
+        except TypeError:  # unsortable keys: tf.nest refuses them; keep insertion order
+            keys = list(x)
+        for key in keys:
+            yield from _leaves(x[key])
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _leaves(item)
+    else:
+        children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+        for child in children:
+            if child is x:
+                yield x
+            else:
+                yield from _leaves(child)
 
 
 class Module:
@@ -56,9 +91,10 @@ class Module:
         def wrapped(self: Module, *args: Any, **kw: Any) -> None:
             if "_scope_name" not in self.__dict__:
                 try:
-                    name = signature.bind_partial(self, *args, **kw).arguments.get("name")
+                    bound = signature.bind_partial(self, *args, **kw).arguments
                 except TypeError:
-                    name = None
+                    bound = {}
+                name = bound.get("name", kw.get("name"))  # kw: a name passed via **kwargs
                 Module.__init__(self, name=name if isinstance(name, str) else None)
             with self.name_scope:
                 init(self, *args, **kw)
@@ -66,16 +102,26 @@ class Module:
         cls.__init__ = wrapped  # type: ignore[method-assign]
 
     def __init__(self, name: str | None = None) -> None:
+        _check_name(name)
         if "_scope_name" in self.__dict__:
-            return  # already set up by a subclass's wrapped __init__
-        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
-            raise ValueError(
-                f"{name!r} is not a valid module name: use a Python identifier like 'dense'."
-            )
+            # Already set up by a subclass's wrapped __init__, which could not see a name
+            # given only here (``super().__init__(name="encoder")``): rename the scope.
+            if name is not None and name != self._module_name:
+                self._rename(name)
+            return
         base = name or _camel_to_snake(type(self).__name__)
         store = _scope.default_store()
         self._module_name = base
         self._scope_name = store.unique_name(_scope.prefixed(base))
+
+    def _rename(self, name: str) -> None:
+        old = self._scope_name
+        parent = old.rpartition("/")[0]
+        new = _scope.default_store().unique_name(f"{parent}/{name}" if parent else name)
+        self._module_name, self._scope_name = name, new
+        stack = _scope._scopes()
+        if stack and stack[-1] == _scope._Scope(old, True, None):  # inside our own scope
+            stack[-1] = _scope._Scope(new, True, None)
 
     @property
     def name(self) -> str:
@@ -126,8 +172,7 @@ def _walk(
     for key in sorted(vars(module)):
         if key in ("_scope_name", "_module_name"):
             continue
-        leaves = jax.tree_util.tree_leaves(vars(module)[key], is_leaf=_is_tracked)
-        for leaf in leaves:
+        for leaf in _leaves(vars(module)[key]):
             if id(leaf) in seen:
                 continue
             seen.add(id(leaf))

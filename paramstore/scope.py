@@ -109,24 +109,32 @@ class VariableStore:
         """``name``, or ``name_1``, ``name_2``... the first not yet taken in this store."""
         with self._lock:
             candidate = name
-            i = self._counts.get(name, 0)
-            while candidate in self._taken:
-                i += 1
+            if name in self._taken:
+                # _counts[name] = k: name_1 ... name_k are all taken (names are never freed),
+                # so n variables of one name cost O(n), not O(n^2).
+                i = self._counts.get(name, 0) + 1
+                while f"{name}_{i}" in self._taken:
+                    i += 1
+                self._counts[name] = i - 1
                 candidate = f"{name}_{i}"
             if reserve:
                 self._taken.add(candidate)
-                self._counts[name] = i
             return candidate
 
-    def register(self, var: Variable, name: str, *, exact: bool = False) -> str:
-        """Track ``var`` under ``name``: made unique again (another thread may have taken it
-        meanwhile), or, with ``exact``, as given if no live variable has it."""
+    def register(
+        self, var: Variable, name: str, *, exact: bool = False, base: str | None = None
+    ) -> str:
+        """Track ``var`` under ``name`` (from ``unique_name(base, reserve=False)``). If another
+        thread took it meanwhile, the next free name for ``base`` (``v_3``, not ``v_2_1``).
+        With ``exact``, ``name`` as given if no live variable has it."""
         with self._lock:
             if exact and name not in self._live:
                 full = name
                 self._taken.add(full)
-            else:
+            elif name not in self._taken:
                 full = self.unique_name(name)
+            else:
+                full = self.unique_name(base or name)
             self._live[full] = var
             self._order[full] = len(self._order)
             return full
@@ -198,7 +206,9 @@ def name_scope(name: str) -> Iterator[str]:
 @contextlib.contextmanager
 def _absolute_scope(full: str) -> Iterator[None]:
     """Enter ``full`` as the whole prefix (used by ``Module.name_scope``)."""
-    saved = list(_scopes())
+    # Restore the very list that was current: enclosing name_scope/variable_scope blocks
+    # pop from that list object when they exit.
+    saved = _scopes()
     _local.scopes = [_Scope(full, True, None)] if full else []
     try:
         yield

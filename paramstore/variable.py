@@ -7,15 +7,19 @@ Contract (see API.md, "Variables"):
 * dtype inference follows TensorFlow for Python values (``3.14`` -> float32, ``[1, 2]`` ->
   int32, ``[True]`` -> bool, ``5+4j`` -> complex64); NumPy and JAX arrays keep their dtype
   (64-bit types become 32-bit unless ``jax_enable_x64`` is on, as everywhere in JAX); an
-  explicit ``dtype`` casts.
+  explicit ``dtype`` casts. The array a variable holds is never weakly typed.
 * Assigned values convert to the variable's dtype only without loss: Python numbers and
   lists (and weakly typed JAX values) may convert within their kind or upward (an int into
-  a float variable, a float into float16); typed arrays must cast safely (int8 into int32,
-  not float64 into float32). Anything else raises ``TypeError`` naming both dtypes. ``assign``
-  needs the exact shape; ``assign_add``/``assign_sub`` broadcast the delta to it. A failed
-  assign leaves the variable exactly as it was.
+  a float variable or any integer one in range, a float into float16); typed arrays must
+  cast safely (int8 into int32, not float64 into float32). Anything else raises
+  ``TypeError`` naming both dtypes. ``assign`` needs the exact shape;
+  ``assign_add``/``assign_sub`` broadcast the delta to it. As in TensorFlow, bool variables
+  only support ``assign``. A sliced assign (``v[i].assign(x)``) checks its index against
+  the shape (out of range: ``IndexError``, where JAX would clamp). A failed assign leaves
+  the variable exactly as it was.
 * Strings (``dtype=str`` or ``['abc']``) make a host-side variable on a NumPy
-  ``StringDType`` array: it can be assigned, saved and restored, not used in ``ps.function``.
+  ``StringDType`` array: it can be assigned (strings only), saved and restored, not used in
+  ``ps.function``.
 * Thread safety: ``assign_add``/``assign_sub`` hold a per-variable lock across their
   read-modify-write, so concurrent updates are never lost.
 * A Variable is a registered pytree (one leaf, its value) so that ``jnp`` functions accept
@@ -94,6 +98,18 @@ def _tf_infer(value: Any) -> np.ndarray:
     return arr
 
 
+def _strong(x: Any) -> Any:
+    """``x`` without JAX's weak type: a variable's array always has a definite dtype."""
+    return x.astype(x.dtype) if getattr(x, "weak_type", False) else x
+
+
+def _is_text(arr: np.ndarray) -> bool:
+    kind = arr.dtype.kind
+    if kind == "O":
+        return all(isinstance(x, (str, bytes)) for x in arr.flat)
+    return kind in "UST"
+
+
 def _to_strings(arr: np.ndarray) -> np.ndarray:
     try:
         out = np.asarray(arr, dtype=_STRING)
@@ -109,6 +125,9 @@ def _lossless(src: np.dtype, dst: np.dtype, weak: bool) -> bool:
     if dst.kind == "b":
         return False
     if weak:
+        # Python ints go into any integer variable, signed or not (range checked separately).
+        if src.kind in "iu" and dst.kind in "iu":
+            return True
         return bool(np.can_cast(src, dst, "same_kind"))
     return bool(np.can_cast(src, dst, "safe"))
 
@@ -288,16 +307,18 @@ class Variable(_ArrayOps):
             raise TypeError(f"A variable's name must be a str, got {type(name).__name__}.")
         _trace.check_create()
         store = _scope.default_store()
+        base = None
         if _full_name is None:
-            full_name = store.unique_name(_scope.prefixed(name or "Variable"), reserve=False)
+            base = _scope.prefixed(name or "Variable")
+            full_name = store.unique_name(base, reserve=False)
         else:  # get_variable: the exact name, scoped by variable scopes only
             full_name = _full_name
         placed = _sharding.placement(device, sharding)
         value = _initial_value(initial_value, dtype, full_name)
-        if not isinstance(value, np.ndarray) and placed is not None:
-            value = jax.device_put(value, placed)
+        if not isinstance(value, np.ndarray):
+            value = _sharding.place(value, placed, f"variable '{full_name}'")
         self._set_fields(value, trainable)
-        self._name = store.register(self, full_name, exact=_full_name is not None)
+        self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
     def _set_fields(self, value: Any, trainable: bool) -> None:
         self._value = value
@@ -404,9 +425,8 @@ class Variable(_ArrayOps):
         return self if read_value else None
 
     def _update(self, delta: Any, eager_op: Callable[[Any, Any], Any], what: str) -> None:
-        if self._is_string:
-            raise TypeError(f"Cannot {what} on string variable '{self._name}'.")
-        d = self._coerce(delta, what)
+        self._check_arithmetic(what)
+        d = self._coerce(delta, what, host=True)
         if d.shape != self._shape and not _broadcasts(d.shape, self._shape):
             raise _shape_error(self._name, self._shape, tuple(d.shape))
         with self._lock:
@@ -414,10 +434,36 @@ class Variable(_ArrayOps):
                 op = jnp.add if eager_op is _EAGER_ADD else jnp.subtract
                 self._swap(op(self.value(), d))
             else:
-                self._swap(eager_op(self._value, d))
+                # The result lands where the variable's array is: no placement check.
+                self._swap(eager_op(self._value, self._colocated(d)), placed=True)
 
-    def _coerce(self, value: Any, op: str) -> Any:
-        """``value`` as an array of this variable's dtype, or TypeError (no change made)."""
+    def _check_arithmetic(self, what: str) -> None:
+        if self._is_string:
+            raise TypeError(f"Cannot {what} on string variable '{self._name}'.")
+        if self._dtype.kind == "b":
+            raise TypeError(
+                f"Cannot {what} on bool variable '{self._name}' (as in TensorFlow, bool "
+                "variables only support assign)."
+            )
+
+    def _colocated(self, x: Any) -> Any:
+        """``x`` usable with this variable's array in one eager op: an array committed to
+        other devices goes through the host (jit would refuse to mix the two)."""
+        if (
+            isinstance(x, jax.Array)
+            and not isinstance(x, _Tracer)
+            and x.committed  # an uncommitted array goes wherever the variable's is
+            and x.sharding.device_set != self._value.sharding.device_set
+        ):
+            return np.asarray(x)
+        return x
+
+    def _coerce(self, value: Any, op: str, *, host: bool = False) -> Any:
+        """``value`` as an array of this variable's dtype, or TypeError (no change made).
+
+        A jax.Array (or tracer) stays one, without a weak type. Python and NumPy values
+        become a jax.Array or, with ``host``, a private NumPy copy (for an update op, which
+        moves it to the device itself, and more cheaply)."""
         if self._detached:
             raise TypeError(
                 f"Variable '{self._name}' was passed through a JAX transformation as a pytree "
@@ -427,17 +473,23 @@ class Variable(_ArrayOps):
         value = _unwrap(value)
         dst = self._dtype
         if self._is_string:
-            return _to_strings(np.asarray(value))
+            arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+            if not _is_text(arr):
+                raise TypeError(
+                    f"Cannot {op} a value of dtype {arr.dtype.name} to string variable "
+                    f"'{self._name}': a variable's dtype never changes; convert the values "
+                    "to str explicitly."
+                )
+            return _to_strings(arr)
         if isinstance(value, jax.Array):  # also tracers
-            if value.dtype != dst:
-                if not _lossless(np.dtype(value.dtype), dst, value.weak_type):
-                    raise _dtype_error(self._name, value.dtype, dst, op)
-                value = value.astype(dst)
-            return value
+            if value.dtype != dst and not _lossless(np.dtype(value.dtype), dst, value.weak_type):
+                raise _dtype_error(self._name, value.dtype, dst, op)
+            return value.astype(dst) if value.dtype != dst else _strong(value)
         if isinstance(value, (np.ndarray, np.generic)):
             if value.dtype != dst and not _lossless(value.dtype, dst, weak=False):
                 raise _dtype_error(self._name, value.dtype, dst, op)
-            return jnp.asarray(value, dtype=dst)
+            arr = np.array(value, dtype=dst, copy=True)
+            return arr if host else jnp.asarray(arr)
         try:
             arr = np.asarray(value)
         except (TypeError, ValueError) as e:
@@ -445,7 +497,7 @@ class Variable(_ArrayOps):
                 f"Cannot {op} {type(value).__name__} to variable '{self._name}': {e}."
             ) from None
         src = arr.dtype if arr.dtype.kind not in "iu" else np.dtype(np.int64)
-        if arr.dtype.kind in "USO" or not _lossless(src, dst, weak=True):
+        if arr.dtype.kind in "USOT" or not _lossless(src, dst, weak=True):
             raise _dtype_error(self._name, arr.dtype, dst, op)
         if dst.kind in "iu" and arr.size:
             info = np.iinfo(dst)
@@ -454,9 +506,10 @@ class Variable(_ArrayOps):
                     f"Cannot {op} {value!r} to variable '{self._name}' of dtype {dst.name}: "
                     f"out of range [{info.min}, {info.max}]."
                 )
-        return jnp.asarray(arr, dtype=dst)
+        arr = arr.astype(dst)  # a copy, converted by NumPy the same way on every path
+        return arr if host else jnp.asarray(arr)
 
-    def _swap(self, new: Any) -> None:
+    def _swap(self, new: Any, placed: bool = False) -> None:
         if _trace.depth and _trace.bind(self, new):
             return
         if isinstance(new, _Tracer):
@@ -466,7 +519,7 @@ class Variable(_ArrayOps):
                 "would hold a leaked tracer. Decorate the function with @ps.function, or "
                 "make it pure with ps.pure(fn, variables)."
             )
-        if not self._is_string:
+        if not (placed or self._is_string):
             old = self._value.sharding
             if new.sharding != old:
                 new = jax.device_put(new, old)
@@ -499,13 +552,13 @@ def _initial_value(initial_value: Any, dtype: Any, full_name: str) -> Any:
         if want is not None and want == _STRING:
             return _to_strings(np.asarray(value))
         if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-            if np.dtype(value.dtype).kind in "USO":
+            if np.dtype(value.dtype).kind in "USOT":
                 return _to_strings(np.asarray(value))
-            return jnp.asarray(value, dtype=want)
+            return _strong(jnp.asarray(value, dtype=want))
         arr = _tf_infer(value)
         if arr.dtype == _STRING:
             return arr
-        return jnp.asarray(arr, dtype=want)
+        return _strong(jnp.asarray(arr, dtype=want))
 
 
 # ------------------------------------------------------------------------- slices
@@ -531,9 +584,16 @@ class VariableSlice(_ArrayOps):
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The slice's shape; IndexError for an index out of range (JAX would clamp it)."""
+        probe = np.broadcast_to(np.empty((), dtype=bool), self._var.shape)  # no memory
         try:
-            return np.empty(self._var.shape, dtype=bool)[self._index].shape
-        except Exception:
+            return probe[self._index].shape
+        except IndexError as e:
+            raise IndexError(
+                f"Index {self._index!r} is out of range for variable '{self._var.name}' of "
+                f"shape {self._var.shape}: {e}."
+            ) from None
+        except Exception:  # e.g. a traced index: only JAX knows
             return tuple(self.value().shape)
 
     def __getitem__(self, index: Any) -> Any:
@@ -555,12 +615,15 @@ class VariableSlice(_ArrayOps):
         var = self._var
         if var._is_string:
             raise TypeError(f"Sliced assigns are not supported on string variable '{var.name}'.")
-        x = var._coerce(value, "assign" if how == "set" else how)
+        if how != "set":
+            var._check_arithmetic(how)
+        x = var._coerce(value, "assign" if how == "set" else how, host=True)
         want = self.shape
         fits = x.shape == want if exact else _broadcasts(tuple(x.shape), want)
         if not fits:
             raise _shape_error(f"{var.name}[{self._index!r}]", want, tuple(x.shape), "slice")
         with var._lock:
+            x = var._colocated(x)
             ref = var.value().at[self._index]
             new = ref.set(x) if how == "set" else (ref.add(x) if how == "add" else ref.add(-x))
             var._swap(new)
