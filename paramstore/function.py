@@ -41,6 +41,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 
 from paramstore import _trace
+from paramstore import sharding as _sharding
 from paramstore.module import Module
 from paramstore.scope import default_store
 from paramstore.variable import Variable, VariableSlice
@@ -261,6 +262,9 @@ class Function:
                 if id(var) not in before:
                     store._forget(var)
             raise
+        _sharding.settle_unplaced(
+            result["assigned"], [*(v._value for v, _ in frame.captured.values()), *arrays]
+        )
         entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
         self._cache[key] = entry
         self.trace_count += 1
@@ -299,22 +303,24 @@ class Function:
         fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
         n_out = len(jaxpr.outvars) - len(assigned)
 
-        # Assigned variables come back with the sharding they went in with, so the next
-        # call sees the same input shardings (no recompilation) and placement is kept.
+        # Assigned variables come back with the very sharding they went in with (jit's
+        # out_shardings; a with_sharding_constraint would hand back an equivalent but
+        # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
+        # next call sees the same input shardings (no recompilation) and placement is kept.
         keep = [
             sh if len(sh.device_set) > 1 else None for sh in (v._value.sharding for v in assigned)
         ]
 
         def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
             res = fun(*don, *ro, *arrays)
-            new = [
-                x if sh is None else jax.lax.with_sharding_constraint(x, sh)
-                for x, sh in zip(res[n_out:], keep)
-            ]
-            return res[:n_out], new
+            return res[:n_out], list(res[n_out:])
 
         donate = self._donate and bool(donated)
-        runner = jax.jit(run, donate_argnums=(0,) if donate else ())
+        runner = jax.jit(
+            run,
+            donate_argnums=(0,) if donate else (),
+            out_shardings=(None, keep) if any(sh is not None for sh in keep) else None,
+        )
         return _Entry(
             runner,
             [v for v, _ in donated],
