@@ -91,7 +91,9 @@ class Module:
         def wrapped(self: Module, *args: Any, **kw: Any) -> None:
             if "_scope_name" not in self.__dict__:
                 try:
-                    bound = signature.bind_partial(self, *args, **kw).arguments
+                    call = signature.bind_partial(self, *args, **kw)
+                    call.apply_defaults()  # `def __init__(self, name="model")` names it
+                    bound = call.arguments
                 except TypeError:
                     bound = {}
                 name = bound.get("name", kw.get("name"))  # kw: a name passed via **kwargs

@@ -168,6 +168,9 @@ class _ArrayOps:
     """Operators, conversions and array methods, all computed on ``self.value()``."""
 
     __slots__ = ()
+    # Higher than NumPy's, as jax.Array's: `np_array @ v` defers to our reflected operator
+    # (a JAX op that sees the traced value) instead of converting v through __array__.
+    __array_priority__ = 100
 
     def value(self) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError

@@ -480,3 +480,14 @@ def test_memory_analysis_shows_aliasing():
     if stats is None:
         pytest.skip("this backend reports no memory analysis")
     assert stats.alias_size_in_bytes >= 256 * 256 * 4
+
+
+def test_numpy_array_operand_does_not_bake_the_variable_in():
+    v = ps.Variable(jnp.ones((2, 2)))
+    x = np.ones((3, 2), np.float32)
+    f = ps.function(lambda: x @ v + np.float32(1) * v[0])
+    np.testing.assert_array_equal(f(), np.full((3, 2), 3.0))
+    v.assign(jnp.zeros((2, 2)))
+    np.testing.assert_array_equal(f(), np.zeros((3, 2)))  # not a stale constant
+    out = jax.vmap(lambda row: row @ v)(x)  # a NumPy operand under vmap: no conversion error
+    np.testing.assert_array_equal(out, np.zeros((3, 2)))

@@ -274,3 +274,13 @@ def test_invalid_module_name_raises():
 def test_repr_names_the_module():
     m = Dense(2, 2)
     assert "dense" in repr(m) and "2 variables" in repr(m)
+
+
+def test_default_name_in_the_subclass_signature_names_the_module():
+    class Model(ps.Module):
+        def __init__(self, units=2, name="model"):
+            self.w = ps.Variable(np.zeros(units, np.float32), name="w")
+
+    m = Model()
+    assert m.name == "model"
+    assert m.w.name == "model/w"
