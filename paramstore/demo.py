@@ -1,0 +1,227 @@
+"""``python -m paramstore demo``: train an MLP on scikit-learn's digits, end to end.
+
+What it shows, in about a hundred lines: a ``ps.Module`` of Dense layers whose Variables
+are built from ``ps.initializers`` (reproducible through ``ps.random.set_seed``), an
+``optax.adam`` optimizer whose state lives in Variables (``ps.Optimizer``), a compiled
+``@ps.function`` training step that updates the model in place, evaluation, and a
+checkpoint of model and optimizer written with ``ps.CheckpointManager``.
+
+The digits data set (1797 8x8 images) ships with scikit-learn, so nothing is downloaded.
+scikit-learn and tqdm come with the ``demo`` extra: ``pip install 'paramstore[demo]'``.
+The defaults train in a few seconds on a laptop CPU and reach about 97% test accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import paramstore as ps
+
+__all__ = ["main", "MLP", "Dense"]
+
+DEFAULT_OUTPUT_DIR = "./paramstore-demo"
+
+
+class Dense(ps.Module):
+    """``activation(x @ w + b)``, with Glorot-uniform weights and zero biases."""
+
+    def __init__(
+        self,
+        n_in: int,
+        n_out: int,
+        activation: Callable[[Any], Any] | None = None,
+        name: str | None = None,
+    ) -> None:
+        glorot, zeros = ps.initializers.glorot_uniform(), ps.initializers.zeros()
+        self.w = ps.Variable(lambda: glorot((n_in, n_out)), name="w")
+        self.b = ps.Variable(lambda: zeros((n_out,)), name="b")
+        self.activation = activation
+
+    def __call__(self, x: Any) -> Any:
+        y = x @ self.w + self.b
+        return y if self.activation is None else self.activation(y)
+
+
+class MLP(ps.Module):
+    """A stack of Dense layers with ReLU between them."""
+
+    def __init__(self, sizes: Sequence[int], name: str | None = None) -> None:
+        last = len(sizes) - 2
+        self.layers = [
+            Dense(n_in, n_out, activation=None if i == last else jax.nn.relu)
+            for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:]))
+        ]
+
+    def __call__(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m paramstore demo",
+        description=(
+            "Train a small MLP (64-128-64-10) on scikit-learn's bundled digits data set "
+            "with optax Adam and a compiled ps.function step, print the test accuracy, "
+            "and save a checkpoint of the model and optimizer state."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=_positive_int, default=600, help="number of training steps")
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="examples per training step"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for the initial weights (ps.random.set_seed), the train/test split and "
+        "the batch order; the same seed gives the same run",
+    )
+    parser.add_argument(
+        "--learning-rate", type=_positive_float, default=3e-3, help="Adam's learning rate"
+    )
+    parser.add_argument(
+        "--output-dir",
+        default=DEFAULT_OUTPUT_DIR,
+        help="directory for the checkpoint (a ps.CheckpointManager directory; inspect it "
+        "with `python -m paramstore inspect DIR`)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    return parser
+
+
+def _load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)  # pixels are 0..16
+    y = digits.target.astype(np.int32)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=0.25, random_state=seed, stratify=y
+    )
+    return x_train, x_test, y_train, y_test
+
+
+def _batches(n: int, batch_size: int, rng: np.random.Generator) -> Any:
+    """Endless minibatch indices: a fresh permutation each epoch."""
+    batch_size = min(batch_size, n)
+    while True:
+        order = rng.permutation(n)
+        for start in range(0, n - batch_size + 1, batch_size):
+            yield order[start : start + batch_size]
+
+
+def _save_checkpoint(output_dir: str, variables: list[ps.Variable], step: int) -> str | None:
+    """Save with ``ps.CheckpointManager`` where ``paramstore.checkpoint`` exists."""
+    try:
+        checkpoint = importlib.import_module("paramstore.checkpoint")
+    except ImportError:
+        return None
+    manager = checkpoint.CheckpointManager(output_dir, variables, max_to_keep=3)
+    return str(manager.save(step))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        import sklearn  # noqa: F401
+        from tqdm.auto import tqdm
+    except ImportError as e:
+        print(
+            f"error: the demo needs scikit-learn and tqdm ({e.name} is missing). Install them "
+            "with: pip install 'paramstore[demo]'",
+            file=sys.stderr,
+        )
+        return 1
+
+    ps.random.set_seed(args.seed)
+    x_train, x_test, y_train, y_test = _load_data(args.seed)
+    print(
+        f"digits: {len(x_train)} training and {len(x_test)} test images of 8x8 pixels; "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}"
+    )
+
+    with ps.VariableStore():  # a fresh namespace: main() can run twice in one process
+        model = MLP([64, 128, 64, 10])
+        opt = ps.Optimizer(optax.adam(args.learning_rate), model)
+        n_params = sum(v.size for v in model.trainable_variables)
+        print(f"model: {len(model.trainable_variables)} variables, {n_params} parameters")
+
+        @ps.function
+        def train_step(x: jax.Array, y: jax.Array) -> jax.Array:
+            def loss_fn() -> jax.Array:
+                logits = model(x)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+            loss, grads = ps.value_and_grad(loss_fn, model)()
+            opt.apply_gradients(grads)
+            return loss
+
+        @ps.function
+        def predict(x: jax.Array) -> jax.Array:
+            return jnp.argmax(model(x), axis=-1)
+
+        rng = np.random.default_rng(args.seed)
+        batches = _batches(len(x_train), args.batch_size, rng)
+        start = time.perf_counter()
+        bar = tqdm(
+            range(args.steps), desc="training", unit="step", disable=args.no_progress, leave=True
+        )
+        loss = None
+        for step in bar:
+            idx = next(batches)
+            loss = train_step(x_train[idx], y_train[idx])
+            if step % 25 == 0 or step == args.steps - 1:
+                bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+        final_loss = float(loss) if loss is not None else float("nan")
+        seconds = time.perf_counter() - start
+        bar.close()
+
+        accuracy = float(np.mean(np.asarray(predict(x_test)) == y_test))
+        print(
+            f"trained {args.steps} steps in {seconds:.1f}s "
+            f"(including compilation); final batch loss {final_loss:.4f}"
+        )
+        print(f"test accuracy: {accuracy:.4f}")
+
+        variables = [*model.variables, *opt.variables]
+        path = _save_checkpoint(args.output_dir, variables, int(opt.iterations.numpy()))
+        if path is None:
+            print("checkpoint: skipped (paramstore.checkpoint is not available)")
+        else:
+            print(f"checkpoint: saved {len(variables)} variables to {os.path.abspath(path)}")
+            print(f"  inspect it with: python -m paramstore inspect {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
