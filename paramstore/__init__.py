@@ -3,7 +3,8 @@
 See ``API.md`` for the contract; each module's docstring states its part of it.
 """
 
-from paramstore import initializers, random
+from paramstore import checkpoint, initializers, random
+from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.function import Function, function
 from paramstore.functional import State, grad, pure, state, update, value_and_grad
 from paramstore.module import Module
@@ -23,15 +24,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AUTO_REUSE",
+    "CheckpointManager",
     "Function",
     "Module",
     "Optimizer",
     "Reference",
+    "Saver",
     "State",
     "Variable",
     "VariableScope",
     "VariableSlice",
     "VariableStore",
+    "checkpoint",
     "device",
     "function",
     "get_variable",

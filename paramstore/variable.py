@@ -62,7 +62,7 @@ def _canonical_dtype(dtype: Any, what: str) -> np.dtype:
         dt = np.dtype(jnp.dtype(dtype))
     except TypeError as e:
         raise TypeError(f"Unknown dtype {dtype!r} for {what}: {e}.") from None
-    if dt.kind in "USO":
+    if dt.kind in "USOT":
         return _STRING
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(dt))
     if canonical != dt:
@@ -93,7 +93,7 @@ def _tf_infer(value: Any) -> np.ndarray:
                 "(jax.config.update('jax_enable_x64', True)) for int64 variables."
             )
         return arr.astype(np.int32)
-    if kind in "USO":
+    if kind in "USOT":
         return _to_strings(arr)
     return arr
 

@@ -889,3 +889,9 @@ def test_concurrent_sliced_and_full_updates_lose_nothing():
     for t in threads:
         t.join()
     np.testing.assert_array_equal(v.numpy(), [1500, 300, 300, 300])
+
+
+def test_string_variable_from_a_numpy_stringdtype_array():
+    v = ps.Variable(np.array(["a", "bc"], dtype=np.dtypes.StringDType()))
+    assert v.dtype == np.dtypes.StringDType()
+    assert v.numpy().tolist() == ["a", "bc"]
