@@ -14,7 +14,6 @@ The defaults train in a few seconds on a laptop CPU and reach about 97% test acc
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -139,16 +138,6 @@ def _batches(n: int, batch_size: int, rng: np.random.Generator) -> Any:
             yield order[start : start + batch_size]
 
 
-def _save_checkpoint(output_dir: str, variables: list[ps.Variable], step: int) -> str | None:
-    """Save with ``ps.CheckpointManager`` where ``paramstore.checkpoint`` exists."""
-    try:
-        checkpoint = importlib.import_module("paramstore.checkpoint")
-    except ImportError:
-        return None
-    manager = checkpoint.CheckpointManager(output_dir, variables, max_to_keep=3)
-    return str(manager.save(step))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -214,12 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"test accuracy: {accuracy:.4f}")
 
         variables = [*model.variables, *opt.variables]
-        path = _save_checkpoint(args.output_dir, variables, int(opt.iterations.numpy()))
-        if path is None:
-            print("checkpoint: skipped (paramstore.checkpoint is not available)")
-        else:
-            print(f"checkpoint: saved {len(variables)} variables to {os.path.abspath(path)}")
-            print(f"  inspect it with: python -m paramstore inspect {args.output_dir}")
+        manager = ps.CheckpointManager(args.output_dir, variables, max_to_keep=3)
+        path = manager.save(int(opt.iterations.numpy()))
+        print(f"checkpoint: saved {len(variables)} variables to {os.path.abspath(path)}")
+        print(f"  inspect it with: python -m paramstore inspect {args.output_dir}")
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -12,9 +11,8 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("tqdm")
 
+import paramstore as ps  # noqa: E402
 from paramstore import demo  # noqa: E402
-
-HAS_CHECKPOINT = importlib.util.find_spec("paramstore.checkpoint") is not None
 
 
 def _accuracy(out: str) -> float:
@@ -30,18 +28,13 @@ def test_short_run_reports_accuracy_and_saves(tmp_path, capsys):
     out = capsys.readouterr()
     assert 0.0 <= _accuracy(out.out) <= 1.0
     assert "training" in out.err  # the tqdm progress bar
-    if HAS_CHECKPOINT:
-        from paramstore import checkpoint
-
-        files = sorted(p.name for p in out_dir.iterdir())
-        assert files == ["ckpt-30.safetensors"]
-        names = {name for name, _, _ in checkpoint.list_variables(out_dir / files[0])}
-        assert "optimizer/iterations" in names
-        assert "mlp/dense/w" in names and "optimizer/mlp/dense/w/mu" in names
-        assert int(checkpoint.load_variable(out_dir / files[0], "optimizer/iterations")) == 30
-        assert f"saved 20 variables to {out_dir}" in out.out
-    else:
-        assert "checkpoint: skipped" in out.out
+    files = sorted(p.name for p in out_dir.iterdir())
+    assert files == ["ckpt-30.safetensors"]
+    names = {name for name, _, _ in ps.checkpoint.list_variables(out_dir / files[0])}
+    assert "optimizer/iterations" in names
+    assert "mlp/dense/w" in names and "optimizer/mlp/dense/w/mu" in names
+    assert int(ps.checkpoint.load_variable(out_dir / files[0], "optimizer/iterations")) == 30
+    assert f"saved 20 variables to {out_dir}" in out.out
 
 
 def test_same_seed_same_result_and_runs_twice_in_one_process(tmp_path, capsys):
@@ -90,5 +83,4 @@ def test_full_default_run_reaches_95_percent(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert _accuracy(done.stdout) >= 0.95, done.stdout
-    if HAS_CHECKPOINT:
-        assert (tmp_path / "out" / "ckpt-600.safetensors").exists()
+    assert (tmp_path / "out" / "ckpt-600.safetensors").exists()
