@@ -244,22 +244,32 @@ def _block(x: object) -> None:
         x.numpy()  # type: ignore[union-attr]
 
 
-def time_steps(run: Callable[[], object], steps: int, repeats: int) -> tuple[float, float]:
-    """Median seconds per step: (blocking, async)."""
-    blocking, asynchronous = [], []
+def time_steps(
+    runs: dict[str, Callable[[], object]], steps: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Median seconds per step of each variant: (blocking, async).
+
+    The variants take turns within every repeat, so a change in machine load affects
+    all of them alike and the ratios stay fair on a shared, noisy machine."""
+    blocking: dict[str, list[float]] = {name: [] for name in runs}
+    asynchronous: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        gc.collect()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            _block(run())
-        blocking.append((time.perf_counter() - t0) / steps)
-        t0 = time.perf_counter()
-        loss = None
-        for _ in range(steps):
-            loss = run()
-        _block(loss)
-        asynchronous.append((time.perf_counter() - t0) / steps)
-    return statistics.median(blocking), statistics.median(asynchronous)
+        for name, run in runs.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _block(run())
+            blocking[name].append((time.perf_counter() - t0) / steps)
+            t0 = time.perf_counter()
+            loss = None
+            for _ in range(steps):
+                loss = run()
+            _block(loss)
+            asynchronous[name].append((time.perf_counter() - t0) / steps)
+    return {
+        name: (statistics.median(blocking[name]), statistics.median(asynchronous[name]))
+        for name in runs
+    }
 
 
 def first_call(build: Variant, cfg: Config) -> float:
@@ -285,20 +295,21 @@ def main() -> None:
         steps = args.steps if key != "compute" else max(args.steps // 4, 10)
         print(f"\n## {cfg.name}: {steps} steps, Adam")
         print(f"{'variant':38} {'blocking us':>12} {'ratio':>7} {'async us':>10} {'ratio':>7}")
-        ref: tuple[float, float] | None = None
+        runs: dict[str, Callable[[], object]] = {}
         for name, build in VARIANTS.items():
-            if args.variants and not any(s in name for s in args.variants) and ref is not None:
+            if args.variants and runs and not any(sel in name for sel in args.variants):
                 continue
             try:
                 with ps.VariableStore():
                     run = build(cfg)
                     for _ in range(3):
                         _block(run())  # compile and warm up
-                    b, a = time_steps(run, steps, args.repeats)
+                runs[name] = run
             except ImportError as e:
                 print(f"{name:38} skipped ({e.name} not installed)")
-                continue
-            ref = ref or (b, a)
+        results = time_steps(runs, steps, args.repeats)
+        ref = next(iter(results.values()))
+        for name, (b, a) in results.items():
             print(f"{name:38} {b * 1e6:12.1f} {b / ref[0]:7.2f} {a * 1e6:10.1f} {a / ref[1]:7.2f}")
         ratios = []
         for _ in range(args.repeats if not args.quick else 1):
