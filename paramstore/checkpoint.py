@@ -25,6 +25,13 @@ Contract (the file format is described in docs/checkpoints.md):
   With ``async_save=True`` the host copy is taken inside ``save`` and the file written by a
   background thread; ``wait()`` (also run at interpreter exit) flushes it and re-raises
   the error of a failed background write, as does the next ``save``.
+* Sharded checkpoints (docs/sharding.md): where ``jax.process_count() > 1``, or with
+  ``Saver(..., sharded=True)``, a checkpoint is instead an Orbax directory (see
+  ``paramstore._orbax``) in which each process writes only its own shards; the same
+  ``Saver``/``CheckpointManager``/``list_variables``/``load_variable`` API reads and writes
+  it, and restoring recognises the format from what is on disk. ``restore(...,
+  sharding=...)`` restores onto new shardings (another mesh), checked before anything is
+  read.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import struct
 import sys
 import threading
@@ -51,7 +59,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from paramstore import _trace
+from paramstore import _orbax, _trace
+from paramstore import sharding as _sharding
 from paramstore.module import Module
 from paramstore.scope import VariableStore, default_store
 from paramstore.variable import Variable
@@ -657,11 +666,14 @@ def _resolve(path: PathLike) -> str:
     """A checkpoint file: ``path`` itself, or the latest checkpoint of a manager directory."""
     path = os.fspath(path)
     if os.path.isdir(path):
+        if _orbax.is_checkpoint(path):
+            return path
         found = _scan(path)
         if not found:
             raise FileNotFoundError(
-                f"No checkpoint in directory '{path}' (expected files ckpt-<step>.safetensors "
-                "written by a CheckpointManager)."
+                f"No checkpoint in directory '{path}' (expected ckpt-<step>.safetensors files "
+                "or ckpt-<step> sharded checkpoint directories written by a "
+                "CheckpointManager)."
             )
         return found[-1][1]
     if not os.path.exists(path):
@@ -673,9 +685,14 @@ def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...], np.dtype]
     """``[(name, shape, dtype)]`` of a checkpoint, sorted by name, read from its header only.
 
     ``path`` is a checkpoint file or a CheckpointManager directory (its latest checkpoint).
-    String variables have dtype ``np.dtypes.StringDType()``.
+    String variables have dtype ``np.dtypes.StringDType()``. Works on sharded (Orbax)
+    checkpoints too, from their metadata alone.
     """
-    with _Reader(path) as r:
+    resolved = _resolve(path)
+    if os.path.isdir(resolved):
+        entries = _sharded_entries(resolved)
+        return sorted((e["name"], e["shape"], e["dtype"]) for e in entries.values())
+    with _Reader(resolved) as r:
         return [(e.name, e.shape, e.dtype) for e in sorted(r.entries.values(), key=_by_name)]
 
 
@@ -686,13 +703,26 @@ def _by_name(e: _Entry) -> str:
 def load_variable(path: PathLike, name: str) -> np.ndarray:
     """The value of variable ``name`` in a checkpoint (file or manager directory), checked
     against its checksum. Raises CheckpointError if absent or corrupt."""
-    with _Reader(path) as r:
+    resolved = _resolve(path)
+    if os.path.isdir(resolved):
+        entries = _sharded_entries(resolved)
+        if name not in entries:
+            raise CheckpointError(
+                f"Checkpoint '{resolved}' has no variable '{name}'{_suggest(name, entries)}. "
+                f"Its variables: {_preview(sorted(entries))}."
+            )
+        return _sharded_load(resolved, {name: (entries[name], None)})[name]
+    with _Reader(resolved) as r:
         return r.load(name)
 
 
 def read_arrays(path: PathLike) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint as ``{name: NumPy array}`` (checksums verified)."""
-    with _Reader(path) as r:
+    resolved = _resolve(path)
+    if os.path.isdir(resolved):
+        entries = _sharded_entries(resolved)
+        return _sharded_load(resolved, {n: (e, None) for n, e in entries.items()})
+    with _Reader(resolved) as r:
         return dict(r.load_many(r.entries))
 
 
@@ -705,9 +735,18 @@ class Saver:
     ``var_list``: None (every live variable of the current default store, listed at each
     save/restore), a ``{checkpoint_name: Variable}`` dict, a list of Variables, or a Module
     (both keyed by ``v.name``).
+
+    ``sharded``: the format ``save`` writes. None (the default) picks a sharded Orbax
+    checkpoint (a directory; each process writes its own shards) when
+    ``jax.process_count() > 1`` and a single safetensors file otherwise; True always
+    writes the sharded format, False always the single file (an error with several
+    processes). ``restore`` reads either.
     """
 
-    def __init__(self, var_list: Any = None) -> None:
+    def __init__(self, var_list: Any = None, *, sharded: bool | None = None) -> None:
+        if sharded is not None and not isinstance(sharded, bool):
+            raise TypeError(f"Saver: sharded must be None, True or False, got {sharded!r}.")
+        self.sharded = sharded
         self._store: VariableStore | None = None
         self._module: Module | None = None
         self._fixed: dict[str, Variable] | None = None
@@ -743,12 +782,32 @@ class Saver:
 
     # -- saving
     def save(self, path: PathLike, step: int | None = None) -> str:
-        """Write the variables to ``path`` (``f"{path}-{step}"`` with ``step``) atomically.
-        Returns the path written."""
+        """Write the variables to ``path`` (``f"{path}-{step}"`` with ``step``) atomically:
+        a file, or a directory for a sharded checkpoint (see ``sharded``). Every process
+        of a multi-process run must call it. Returns the path written."""
         path = os.fspath(path)
         if step is not None:
             path = f"{path}-{operator.index(step)}"
+        if self._writes_sharded():
+            return _orbax.save(path, self._device_values())
         return write_arrays(path, self._snapshot(copy=False))
+
+    def _writes_sharded(self) -> bool:
+        """Whether ``save`` writes the sharded (Orbax) format now."""
+        if self.sharded is None:
+            return jax.process_count() > 1
+        if not self.sharded and jax.process_count() > 1:
+            raise CheckpointError(
+                f"Saver(sharded=False) writes one file, which {jax.process_count()} "
+                "processes cannot share; use sharded=True (or None, the default), in which "
+                "each process writes its own shards."
+            )
+        return self.sharded
+
+    def _device_values(self) -> dict[str, Any]:
+        """``{checkpoint_name: jax.Array or NumPy string array}``, for a sharded save."""
+        _outside_traces("save")
+        return {name: _current(name, v, sharded=True) for name, v in self._mapping().items()}
 
     def _snapshot(self, copy: bool) -> dict[str, np.ndarray]:
         """Host copies of the values, ``{checkpoint_name: np.ndarray}``. With ``copy=False``
@@ -763,17 +822,33 @@ class Saver:
         return {name: _to_host(name, x, copy) for name, x in values.items()}
 
     # -- restoring
-    def restore(self, path: PathLike, allow_missing: bool = False) -> list[Variable]:
-        """Fill the variables in place from a checkpoint file or manager directory.
+    def restore(
+        self, path: PathLike, allow_missing: bool = False, *, sharding: Any = None
+    ) -> list[Variable]:
+        """Fill the variables in place from a checkpoint (a file, a sharded checkpoint
+        directory, or a manager directory: its latest).
 
         Everything is validated and loaded before any variable is assigned; on error no
         variable changes. Raises CheckpointError for a name missing from the file (unless
         ``allow_missing``), a shape or dtype that differs, or a corrupt file. Returns the
         variables skipped because the file lacks them (empty without ``allow_missing``).
+
+        Each value lands on its variable's current sharding, or, with ``sharding``, on a
+        new one, which the variable then keeps: a ``Sharding`` or ``Mesh`` (replicated) for
+        all, a dict ``{variable name: Sharding}``, or a function ``variable -> Sharding |
+        None`` (as for ``ps.sharding.reshard``). A target that does not fit its variable's
+        shape raises ValueError before anything is read.
         """
         _outside_traces("restore")
         mapping = self._mapping()
-        with _Reader(path) as r:
+        moves: dict[int, Any] = {}
+        if sharding is not None:
+            for v, sh in _sharding.plan(list(mapping.values()), sharding):
+                moves[id(v)] = sh
+        resolved = _resolve(path)
+        if os.path.isdir(resolved):
+            return self._restore_sharded(resolved, mapping, allow_missing, moves)
+        with _Reader(resolved) as r:
             present = {n: v for n, v in mapping.items() if n in r.entries}
             skipped = [v for n, v in mapping.items() if n not in r.entries]
             if skipped and not allow_missing:
@@ -786,10 +861,69 @@ class Saver:
             for name, v in present.items():
                 _check_fits(r.path, r.entries[name], v)
                 _check_assignable(name, v)
-            values = _load_placed(r, present)
-        for name, value in values.items():  # cannot fail: exact shapes, dtypes, placement
-            present[name].assign(value, read_value=False)
+            values = _load_placed(r, present, moves)
+        _assign_all(present, values, moves)
         return skipped
+
+    def _restore_sharded(
+        self,
+        path: str,
+        mapping: dict[str, Variable],
+        allow_missing: bool,
+        moves: Mapping[int, Any],
+    ) -> list[Variable]:
+        entries = _sharded_entries(path)
+        present = {n: v for n, v in mapping.items() if n in entries}
+        skipped = [v for n, v in mapping.items() if n not in entries]
+        if skipped and not allow_missing:
+            missing = [n for n in mapping if n not in entries]
+            raise CheckpointError(
+                f"Checkpoint '{path}' lacks {len(missing)} variable(s) of this Saver: "
+                f"{_preview(missing)}{_suggest(missing[0], entries)}. Pass "
+                "allow_missing=True to restore the others."
+            )
+        wanted = {}
+        for name, v in present.items():
+            e = entries[name]
+            if e["shape"] != tuple(v.shape) or e["dtype"] != v.dtype:
+                raise CheckpointError(_mismatch(path, name, e["shape"], e["dtype"], v))
+            _check_assignable(name, v)
+            wanted[name] = (e, None if _is_string(v.dtype) else moves.get(id(v), v.sharding))
+        _assign_all(present, _sharded_load(path, wanted), moves)
+        return skipped
+
+
+def _assign_all(
+    present: Mapping[str, Variable], values: Mapping[str, Any], moves: Mapping[int, Any]
+) -> None:
+    """Assign every loaded value (cannot fail: exact shapes, dtypes, placement); a variable
+    restored onto a new sharding (``moves``) takes the value's placement."""
+    for name, value in values.items():
+        v = present[name]
+        if id(v) in moves:
+            with v._lock:
+                v._value = value
+        else:
+            v.assign(value, read_value=False)
+
+
+def _sharded_entries(path: str) -> dict[str, dict[str, Any]]:
+    try:
+        return {e["name"]: e for e in _orbax.read_metadata(path)}
+    except _orbax.FormatError as e:
+        raise CheckpointError(f"Checkpoint '{path}' is not readable: {e}.") from None
+
+
+def _sharded_load(path: str, wanted: Mapping[str, tuple[dict[str, Any], Any]]) -> dict[str, Any]:
+    try:
+        return _orbax.load(path, wanted)
+    except ImportError:
+        raise
+    except Exception as e:  # Orbax / TensorStore: missing or corrupt array data
+        raise CheckpointError(
+            f"Checkpoint '{path}' could not be read ({type(e).__name__}: {e}). Restore "
+            "another checkpoint."
+        ) from e
 
 
 def _by_full_name(variables: Iterable[Any]) -> dict[str, Variable]:
@@ -815,17 +949,18 @@ def _outside_traces(what: str) -> None:
         )
 
 
-def _current(name: str, v: Any) -> Any:
+def _current(name: str, v: Any, sharded: bool = False) -> Any:
     x = v.value()
     if isinstance(x, jax.core.Tracer):
         raise CheckpointError(
             f"Cannot save variable '{name}' inside a traced function (jax.jit, jax.grad...): "
             "its value is not known there. Save outside the compiled step."
         )
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if not sharded and isinstance(x, jax.Array) and not x.is_fully_addressable:
         raise CheckpointError(
-            f"Variable '{name}' spans several processes; multi-process checkpoints are not "
-            "supported yet."
+            f"Variable '{name}' spans several processes, so no process can write it to one "
+            "file: save a sharded checkpoint (Saver(..., sharded=True), the default when "
+            "jax.process_count() > 1)."
         )
     return x
 
@@ -849,17 +984,24 @@ def _check_assignable(name: str, v: Variable) -> None:
 
 def _check_fits(path: str, e: _Entry, v: Variable) -> None:
     if e.shape != tuple(v.shape) or e.dtype != v.dtype:
-        raise CheckpointError(
-            f"Checkpoint '{path}' holds '{e.name}' with shape {e.shape} and dtype "
-            f"{_dtype_name(e.dtype)}, but variable '{v.name}' has shape {tuple(v.shape)} and "
-            f"dtype {_dtype_name(v.dtype)}. Restore into a model built with the same "
-            "configuration, or leave this variable out of the Saver."
-        )
+        raise CheckpointError(_mismatch(path, e.name, e.shape, e.dtype, v))
 
 
-def _load_placed(r: _Reader, variables: Mapping[str, Variable]) -> dict[str, Any]:
-    """Each tensor, verified, and put where its variable lives (``device_put`` in batches
-    of ``_CHUNK`` bytes, so host memory holds at most a batch beyond what jax keeps)."""
+def _mismatch(path: str, name: str, shape: tuple[int, ...], dtype: np.dtype, v: Variable) -> str:
+    return (
+        f"Checkpoint '{path}' holds '{name}' with shape {shape} and dtype "
+        f"{_dtype_name(dtype)}, but variable '{v.name}' has shape {tuple(v.shape)} and "
+        f"dtype {_dtype_name(v.dtype)}. Restore into a model built with the same "
+        "configuration, or leave this variable out of the Saver."
+    )
+
+
+def _load_placed(
+    r: _Reader, variables: Mapping[str, Variable], moves: Mapping[int, Any]
+) -> dict[str, Any]:
+    """Each tensor, verified, and put where its variable lives or moves to (``device_put``
+    in batches of ``_CHUNK`` bytes, so host memory holds at most a batch beyond what jax
+    keeps)."""
     out: dict[str, Any] = {}
     batch: list[tuple[str, np.ndarray, Any]] = []
     size = 0
@@ -868,7 +1010,7 @@ def _load_placed(r: _Reader, variables: Mapping[str, Variable]) -> dict[str, Any
         if _is_string(v.dtype):
             out[name] = arr
             continue
-        batch.append((name, arr, v.sharding))
+        batch.append((name, arr, moves.get(id(v), v.sharding)))
         size += arr.nbytes
         if size >= _CHUNK:
             out.update(_put(batch))
@@ -887,11 +1029,13 @@ def _put(batch: list[tuple[str, np.ndarray, Any]]) -> dict[str, Any]:
 
 # -------------------------------------------------------------------- CheckpointManager
 
-_CKPT_RE = re.compile(r"^ckpt-(?P<step>\d+)\.safetensors$")
+_CKPT_RE = re.compile(r"^ckpt-(?P<step>\d+)(?P<file>\.safetensors)?$")
 
 
 def _scan(directory: str) -> list[tuple[int, str]]:
-    """``[(step, path)]`` of the checkpoints in ``directory``, oldest step first."""
+    """``[(step, path)]`` of the checkpoints in ``directory``, oldest step first: files
+    ``ckpt-<step>.safetensors`` and sharded checkpoint directories ``ckpt-<step>`` (Orbax's
+    temporary directories do not match)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -899,8 +1043,9 @@ def _scan(directory: str) -> list[tuple[int, str]]:
     found = []
     for name in names:
         m = _CKPT_RE.match(name)
-        if m and os.path.isfile(os.path.join(directory, name)):
-            found.append((int(m["step"]), os.path.join(directory, name)))
+        path = os.path.join(directory, name)
+        if m and (os.path.isfile(path) if m["file"] else _orbax.is_checkpoint(path)):
+            found.append((int(m["step"]), path))
     return sorted(found)
 
 
@@ -939,8 +1084,10 @@ def _flush_at_exit() -> None:
 
 
 class CheckpointManager:
-    """Numbered checkpoints ``ckpt-<step>.safetensors`` in ``directory``; keeps the newest
-    ``max_to_keep`` (None keeps all). See the module docstring for ``async_save``."""
+    """Numbered checkpoints ``ckpt-<step>.safetensors`` (or sharded ``ckpt-<step>``
+    directories, see ``Saver``'s ``sharded``, which ``sharded=`` here sets) in
+    ``directory``; keeps the newest ``max_to_keep`` (None keeps all). See the module
+    docstring for ``async_save``."""
 
     def __init__(
         self,
@@ -948,20 +1095,36 @@ class CheckpointManager:
         saver_or_vars: Any = None,
         max_to_keep: int | None = 5,
         async_save: bool = False,
+        *,
+        sharded: bool | None = None,
     ) -> None:
         if max_to_keep is not None and (operator.index(max_to_keep) < 1):
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}.")
         self.directory = os.fspath(directory)
-        self.saver = saver_or_vars if isinstance(saver_or_vars, Saver) else Saver(saver_or_vars)
+        if isinstance(saver_or_vars, Saver):
+            if sharded is not None and sharded != saver_or_vars.sharded:
+                raise ValueError(
+                    "CheckpointManager: sharded= conflicts with the Saver's own setting; "
+                    "give it to the Saver."
+                )
+            self.saver = saver_or_vars
+        else:
+            self.saver = Saver(saver_or_vars, sharded=sharded)
         self.max_to_keep = max_to_keep
         self.async_save = bool(async_save)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        os.makedirs(self.directory, exist_ok=True)
-        _remove_stale_temps(self.directory)
+        self._orbax_async: Any = None  # an Orbax AsyncCheckpointer, for sharded async saves
+        self._orbax_pending = False
+        if jax.process_index() == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            _remove_stale_temps(self.directory)
 
     def path_for(self, step: int) -> str:
-        return os.path.join(self.directory, f"ckpt-{operator.index(step)}.safetensors")
+        name = f"ckpt-{operator.index(step)}"
+        if not self.saver._writes_sharded():
+            name += ".safetensors"
+        return os.path.join(self.directory, name)
 
     @property
     def checkpoints(self) -> list[str]:
@@ -988,6 +1151,18 @@ class CheckpointManager:
         values are copied to host now and the file is written in the background."""
         self.wait()
         path = self.path_for(step)
+        if self.saver._writes_sharded():
+            values = self.saver._device_values()
+            if not self.async_save:
+                _orbax.save(path, values)
+                self._prune()
+                return path
+            if self._orbax_async is None:
+                self._orbax_async = _orbax.async_checkpointer()
+            _orbax.save(path, values, self._orbax_async)  # returns once copied to host
+            self._orbax_pending = True
+            _PENDING.add(self)
+            return path
         if not self.async_save:
             self._write(path, self.saver._snapshot(copy=False))
             return path
@@ -1002,10 +1177,22 @@ class CheckpointManager:
     def _write(self, path: str, arrays: dict[str, np.ndarray]) -> None:
         _remove_stale_temps(self.directory)
         write_arrays(path, arrays)
-        if self.max_to_keep is not None:
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete the oldest checkpoints beyond ``max_to_keep`` (process 0 only; the
+        others wait for it)."""
+        if self.max_to_keep is not None and jax.process_index() == 0:
             for _, old in _scan(self.directory)[: -self.max_to_keep]:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(old)
+                    if os.path.isdir(old):
+                        shutil.rmtree(old)
+                    else:
+                        os.unlink(old)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("paramstore.CheckpointManager.prune")
 
     def _background(self, path: str, arrays: dict[str, np.ndarray]) -> None:
         try:
@@ -1016,6 +1203,11 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until a pending background save is written; re-raise its error, if any."""
+        if self._orbax_pending:
+            self._orbax_pending = False
+            _PENDING.discard(self)
+            self._orbax_async.wait_until_finished()
+            self._prune()
         thread = self._thread
         if thread is not None:
             thread.join()
@@ -1068,8 +1260,47 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def _inspect_sharded(path: str, values: bool, name: str | None) -> str:
+    entries = _sharded_entries(path)
+    if name is not None and name not in entries:
+        raise CheckpointError(
+            f"Checkpoint '{path}' has no variable '{name}'{_suggest(name, entries)}. "
+            f"Its variables: {_preview(sorted(entries))}."
+        )
+    chosen = [entries[name]] if name is not None else [entries[n] for n in sorted(entries)]
+    loaded = _sharded_load(path, {e["name"]: (e, None) for e in chosen}) if values else {}
+    head = ["name", "shape", "dtype", "size", "bytes"]
+    rows = [head + (["min", "max", "mean", "nan/inf"] if values else [])]
+    total = 0
+    for e in chosen:
+        size = math.prod(e["shape"])
+        nbytes = (
+            sum(len(t.encode("utf-8")) for t in e["strings"])
+            if _is_string(e["dtype"])
+            else size * e["dtype"].itemsize
+        )
+        total += nbytes
+        row = [e["name"], str(list(e["shape"])), _dtype_name(e["dtype"]), str(size)]
+        row.append(_human(nbytes))
+        if values:
+            row += _stats(loaded[e["name"]])
+        rows.append(row)
+    lines = [
+        f"{path}: {len(chosen)} variables, {_human(total)}, sharded (Orbax), "
+        f"format version {_orbax.VERSION}",
+        _table(rows),
+    ]
+    if values and name is not None:
+        with np.printoptions(threshold=1000, edgeitems=5):
+            lines.append(f"\n{name} =\n{loaded[name]!r}")
+    return "\n".join(lines)
+
+
 def _inspect(path: PathLike, values: bool, name: str | None) -> str:
-    with _Reader(path) as r:
+    resolved = _resolve(path)
+    if os.path.isdir(resolved):
+        return _inspect_sharded(resolved, values, name)
+    with _Reader(resolved) as r:
         entries = sorted(r.entries.values(), key=_by_name)
         if name is not None:
             entries = [r.entry(name)]

@@ -111,7 +111,7 @@ class _Entry:
             if max(counts) > _OWN_REFS:  # someone else holds an array: donate a copy of it
                 don = [jnp.array(x, copy=True) if c > _OWN_REFS else x for x, c in zip(don, counts)]
         ro = list(map(_get_value, self.readonly))
-        out, new = self.runner(don, ro, leaves)
+        new, out = self.runner(don, ro, leaves)
         if new:
             if isinstance(new[0], jax.core.Tracer):
                 names = ", ".join(v.name for v in self.assigned)
@@ -294,6 +294,17 @@ class Function:
                 keep_consts.append(const)
             else:
                 (donated if id(var) in written else readonly).append((var, cvar))
+        # jit pairs each output with the first unused donated input of the same shape and
+        # dtype, in order. Donated inputs in the order of their outputs, and those outputs
+        # first, pair every variable's new value with its own old buffer: XLA updates it in
+        # place, with no copies (a mismatched pairing, e.g. Adam's mu with its parameter,
+        # makes XLA copy each buffer to resolve the aliasing).
+        position = {id(v): i for i, v in enumerate(assigned)}
+        donated.sort(key=lambda vc: position[id(vc[0])])
+        donated_ids = {id(v) for v, _ in donated}
+        order = [position[id(v)] for v, _ in donated]
+        order += [i for i, v in enumerate(assigned) if id(v) not in donated_ids]
+        assigned = [assigned[i] for i in order]
         moved = donated + readonly
         invars = [c for _, c in moved] + list(jaxpr.invars)
         info = jaxpr.debug_info
@@ -313,13 +324,14 @@ class Function:
 
         def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
             res = fun(*don, *ro, *arrays)
-            return res[:n_out], list(res[n_out:])
+            new = res[n_out:]
+            return [new[i] for i in order], res[:n_out]
 
         donate = self._donate and bool(donated)
         runner = jax.jit(
             run,
             donate_argnums=(0,) if donate else (),
-            out_shardings=(None, keep) if any(sh is not None for sh in keep) else None,
+            out_shardings=(keep, None) if any(sh is not None for sh in keep) else None,
         )
         return _Entry(
             runner,

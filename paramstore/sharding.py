@@ -17,9 +17,12 @@ Contract (API.md, "Devices and sharding"; docs/sharding.md has the guide):
   the new value where the old one was, ``ps.function`` returns each assigned variable with
   the sharding it went in with (so the second call does not recompile), ``ps.Optimizer``
   places its slots like their variables, and restoring a checkpoint ``device_put``s each
-  value onto its variable's sharding.
+  value onto its variable's sharding. A variable with no placement (an uncommitted array)
+  that a step on committed inputs assigns is first moved where the step runs
+  (``settle_unplaced``), as JAX would return it, so that no call compiles twice.
 * ``reshard(variables, sharding)`` moves existing variables to new shardings (all of them
-  or none: every target is checked first). It is the one way to change a placement.
+  or none: every target is checked first); so does ``Saver.restore(path, sharding=...)``.
+  Nothing else changes a placement.
 * Multi-process (``jax.distributed.initialize``): a variable may be sharded over the
   devices of all processes; every process creates it with the same initial value and keeps
   only its own shards. Checkpoints are then written through Orbax, each process writing
@@ -171,7 +174,8 @@ def _named_splits(sharding: NamedSharding, ndim: int, what: str) -> list[tuple[i
                 f"The sharding of {what} names mesh axes {unknown} that the mesh "
                 f"{sizes} does not have."
             )
-        out.append((math.prod(sizes[a] for a in axes), "x".join(map(repr, axes))))
+        label = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes!r}"
+        out.append((math.prod(sizes[a] for a in axes), label))
     return out
 
 
@@ -186,7 +190,7 @@ def check_fits(sharding: Sharding, shape: tuple[int, ...], what: str) -> None:
             if size % pieces:
                 raise ValueError(
                     f"The sharding of {what} with shape {shape} does not fit: dimension "
-                    f"{dim} (size {size}) would be split {pieces} ways by mesh axis {axes} of "
+                    f"{dim} (size {size}) would be split {pieces} ways by {axes} of "
                     f"{describe(sharding)}, and {size} is not divisible by {pieces}. Use a "
                     "spec that fits (P() replicates), a mesh axis that divides it, or pad "
                     "the dimension."
@@ -325,6 +329,8 @@ def plan(
                 "not a jax.sharding.Sharding."
             )
         if v._is_string:
+            if isinstance(sharding, Sharding):
+                continue  # one sharding for all: host-side string variables stay
             raise TypeError(f"reshard: string variable '{v.name}' lives on the host.")
         check_fits(target, v.shape, f"variable '{v.name}'")
         out.append((v, target))

@@ -403,6 +403,9 @@ class Variable(_ArrayOps):
         value = self.value()
         if isinstance(value, _Tracer):
             return f"{head} (traced)>"
+        if not getattr(value, "is_fully_addressable", True) and not value.is_fully_replicated:
+            # sharded over several processes: no process can show the whole value
+            return f"{head}, sharded over {len(value.sharding.device_set)} devices>"
         return f"{head}, numpy={np.asarray(value)!r}>"
 
     def _dtype_name(self) -> str:
