@@ -28,14 +28,14 @@ CHILD = textwrap.dedent(
     import os, sys, time
     import numpy as np
     import paramstore as ps
-    from paramstore import checkpoint
+    from paramstore import _safetensors, checkpoint
 
     directory, pause = sys.argv[1], sys.argv[2] == "pause"
     variables = [ps.Variable(np.full(2**20, i, np.float32), name=f"layer_{i}/w") for i in range(16)]
     manager = checkpoint.CheckpointManager(directory, variables)
     manager.save(1)
     if pause:
-        real, written = checkpoint._write_tensor, []
+        real, written = _safetensors._write_tensor, []
 
         def write_then_hang(f, t, checksums):
             real(f, t, checksums)
@@ -45,7 +45,7 @@ CHILD = textwrap.dedent(
                 print("MIDWAY", flush=True)
                 time.sleep(120)
 
-        checkpoint._write_tensor = write_then_hang
+        _safetensors._write_tensor = write_then_hang
     step = 2
     while True:
         for v in variables:

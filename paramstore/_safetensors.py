@@ -1,0 +1,614 @@
+"""The checkpoint file format: streamed, checked safetensors (private; see docs/checkpoints.md).
+
+A checkpoint file is a standard safetensors file: an 8-byte little-endian header length, a
+JSON header, then the raw little-endian bytes of each tensor. In ``__metadata__`` paramstore
+adds a format version and, per tensor, a CRC-32 of its bytes and the true dtype and shape of
+tensors safetensors cannot describe (strings, complex128, ...). ``write_arrays`` streams the
+tensors to a temporary file and renames it atomically; ``_Reader`` checks every size in the
+header against the file and every checksum before returning data. Nothing is pickled.
+``paramstore.checkpoint`` builds Saver and CheckpointManager on this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import queue
+import re
+import secrets
+import struct
+import sys
+import threading
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO
+
+import ml_dtypes
+import numpy as np
+
+FORMAT_VERSION = 1
+"""The paramstore layout version written in ``__metadata__["paramstore.format_version"]``."""
+
+_KEY_VERSION = "paramstore.format_version"
+_KEY_TENSORS = "paramstore.tensors"
+_MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+_CHUNK = 16 * 2**20  # bytes per write/read call and checksum job
+_PARALLEL_MIN = 2**20  # smaller buffers are checksummed inline
+_BUFFER = 2**20  # write buffer, for many small tensors
+_STRING = np.dtypes.StringDType()
+_NO_CRC = "00000000"
+
+PathLike = str | os.PathLike[str]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is malformed, corrupt, or does not fit the variables."""
+
+
+# ------------------------------------------------------------------------------- dtypes
+
+# safetensors dtype codes with a NumPy equivalent. Any other fixed-size dtype (complex128,
+# int4, the other float8 types...) is stored as raw bytes ("U8") with its true dtype in the
+# metadata; so are strings (see _encode_strings).
+_CODES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "C64": np.dtype(np.complex64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_CODE_OF = {dt: code for code, dt in _CODES.items()}
+
+
+def _dtype_from_name(name: Any) -> np.dtype:
+    """The dtype a metadata entry names: ``"string"`` or a fixed-size numeric dtype name."""
+    if name == "string":
+        return _STRING
+    dt: np.dtype | None = None
+    if isinstance(name, str) and name.isidentifier():
+        with contextlib.suppress(TypeError):
+            dt = np.dtype(getattr(ml_dtypes, name, name))
+    if dt is None or dt.name != name or not _storable(dt):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def _storable(dt: np.dtype) -> bool:
+    """A fixed-size numeric dtype: NumPy's bool/int/uint/float/complex, or an ml_dtypes type."""
+    return (dt.kind in "biufc" and dt.shape == () and dt.names is None) or _is_ml_dtype(dt)
+
+
+def _is_ml_dtype(dt: np.dtype) -> bool:
+    return dt.type.__module__.startswith("ml_dtypes")
+
+
+def _is_string(dt: np.dtype) -> bool:
+    return isinstance(dt, np.dtypes.StringDType)
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    return "string" if _is_string(dt) else dt.name
+
+
+def _little_endian(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as C-contiguous little-endian bytes' owner (a view when it already is)."""
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr)
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+@dataclasses.dataclass
+class _Tensor:
+    """One tensor as stored: safetensors code and shape, its bytes, and for raw or string
+    data (``special``) the logical dtype name and shape that go in the metadata."""
+
+    name: str
+    code: str
+    stored_shape: tuple[int, ...]
+    data: memoryview  # flat, format "B"
+    special: tuple[str, tuple[int, ...]] | None
+    itemsize: int
+
+
+def _encode(name: str, arr: np.ndarray) -> _Tensor:
+    """The stored form of ``arr``: itself if safetensors has its dtype, else its raw bytes."""
+    shape = tuple(map(int, arr.shape))
+    dtype = arr.dtype
+    if _is_string(dtype):
+        blob = _encode_strings(arr)
+        return _Tensor(name, "U8", (blob.size,), blob.data, ("string", shape), 1)
+    if not _storable(dtype):
+        raise CheckpointError(
+            f"Cannot save '{name}': dtype {dtype} is not a numeric or string dtype."
+        )
+    flat = _little_endian(arr).reshape(-1).view(np.uint8)
+    code = _CODE_OF.get(dtype if dtype.isnative else dtype.newbyteorder("="))
+    if code is None:
+        special = (dtype.name, shape)
+        return _Tensor(name, "U8", (flat.size,), flat.data, special, dtype.itemsize)
+    return _Tensor(name, code, shape, flat.data, None, dtype.itemsize)
+
+
+def _encode_strings(arr: np.ndarray) -> np.ndarray:
+    """n little-endian int64 end offsets, then the n strings' UTF-8 bytes (n = arr.size)."""
+    encoded = [s.encode("utf-8") for s in arr.reshape(-1).tolist()]
+    ends = np.cumsum([len(b) for b in encoded], dtype="<i8")
+    return np.frombuffer(ends.tobytes() + b"".join(encoded), dtype=np.uint8)
+
+
+def _decode_strings(blob: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    n = math.prod(shape)
+    if blob.size < 8 * n:
+        raise ValueError(f"string data of {blob.size} bytes cannot hold {n} offsets")
+    ends = blob[: 8 * n].view("<i8").astype(np.int64)
+    text = blob[8 * n :].tobytes()
+    starts = np.concatenate([np.zeros(1, np.int64), ends[:-1]])[:n]
+    if (ends[-1] if n else 0) != len(text) or np.any(ends < starts):
+        raise ValueError("string offsets are not increasing or do not cover the data")
+    try:
+        items = [text[s:e].decode("utf-8") for s, e in zip(starts.tolist(), ends.tolist())]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"string data is not UTF-8 ({e})") from None
+    out = np.array(items, dtype=_STRING).reshape(shape)
+    out.flags.writeable = False
+    return out
+
+
+# ---------------------------------------------------------------------------- checksums
+
+
+class _Checksums:
+    """CRC-32s computed beside the file I/O. Buffers of at least ``_PARALLEL_MIN`` bytes go
+    to one worker thread (zlib releases the GIL); smaller ones are computed inline, where a
+    thread hand-off would cost more. The worker starts with the first big buffer, or with
+    ``deferred`` only at ``start()``: a writer starts it when its data goes to disk, so the
+    checksums use the CPU while the disk flushes rather than competing with the copies into
+    the page cache."""
+
+    def __init__(self, deferred: bool = False) -> None:
+        self._deferred = deferred
+        self._crcs: dict[Any, int] = {}
+        self._jobs: queue.SimpleQueue[tuple[Any, memoryview] | None] = queue.SimpleQueue()
+        self._queued = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __enter__(self) -> _Checksums:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop()
+
+    @property
+    def queued(self) -> bool:
+        """Whether some buffers are (or were) left to the worker thread."""
+        return self._queued
+
+    def add(self, key: Any, data: memoryview) -> None:
+        """Checksum ``data`` (appending to earlier data of the same ``key``)."""
+        if data.nbytes < _PARALLEL_MIN:
+            self._crcs[key] = zlib.crc32(data, self._crcs.get(key, 0))
+            return
+        self._jobs.put((key, data))
+        self._queued = True
+        if not self._deferred:
+            self.start()
+
+    def start(self) -> None:
+        """Start the worker on the queued buffers (once)."""
+        if self._queued and self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="paramstore-crc32", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            key, data = job
+            try:
+                self._crcs[key] = zlib.crc32(data, self._crcs.get(key, 0))
+            except BaseException as e:  # pragma: no cover - zlib does not fail on buffers
+                self._error = e
+
+    def _stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def result(self) -> dict[Any, str]:
+        """``{key: 8 hex digits}`` once every checksum is done."""
+        self.start()
+        self._stop()
+        if self._error is not None:
+            raise self._error
+        return {k: f"{c:08x}" for k, c in self._crcs.items()}
+
+
+# ------------------------------------------------------------------------------- header
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One tensor of a file's header, checked against the file's size."""
+
+    name: str
+    code: str
+    start: int  # absolute file offsets
+    end: int
+    dtype: np.dtype  # logical
+    shape: tuple[int, ...]  # logical
+    crc: str | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _build_header(tensors: Sequence[_Tensor], crcs: Mapping[str, str]) -> bytes:
+    """The padded header (8-byte length + JSON); its length does not depend on ``crcs``."""
+    header: dict[str, Any] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for t in tensors:
+        end = offset + t.data.nbytes
+        header[t.name] = {"dtype": t.code, "shape": t.stored_shape, "data_offsets": (offset, end)}
+        offset = end
+        info: dict[str, Any] = {"crc32": crcs.get(t.name, _NO_CRC)}
+        if t.special is not None:
+            info["dtype"], info["shape"] = t.special
+        extra[t.name] = info
+    meta = {
+        _KEY_VERSION: str(FORMAT_VERSION),
+        _KEY_TENSORS: json.dumps(extra, separators=(",", ":")),
+    }
+    text = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the header names {key!r} twice")
+        out[key] = value
+    return out
+
+
+def _read_header(f: BinaryIO, size: int) -> tuple[dict[str, _Entry], dict[str, str]]:
+    """Parse and bounds-check the header of an open file of ``size`` bytes (ValueError)."""
+    if size < 8:
+        raise ValueError(f"the file has {size} bytes, less than the 8-byte header length")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > min(_MAX_HEADER, size - 8):
+        raise ValueError(f"the header length {n} exceeds the file ({size} bytes) or 100 MiB")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("__metadata__ is not a map of strings")
+    extra = _paramstore_metadata(meta)
+    base = 8 + n
+    entries = {name: _parse_entry(name, e, base, extra.get(name)) for name, e in header.items()}
+    _check_layout(entries, base, size)
+    return entries, meta
+
+
+def _paramstore_metadata(meta: Mapping[str, str]) -> dict[str, Any]:
+    """The per-tensor paramstore metadata ({} for a plain safetensors file)."""
+    version = meta.get(_KEY_VERSION)
+    if version is None:
+        return {}
+    if version != str(FORMAT_VERSION):
+        raise ValueError(
+            f"paramstore format version {version} is not supported (this paramstore reads "
+            f"version {FORMAT_VERSION}); upgrade paramstore"
+        )
+    try:
+        extra = json.loads(meta.get(_KEY_TENSORS, "{}"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_KEY_TENSORS} is not valid JSON ({e})") from None
+    if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
+        raise ValueError(f"{_KEY_TENSORS} is not a map of objects")
+    return extra
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(d) is int and 0 <= d < 2**62 for d in value):
+        raise ValueError(f"{what} {value!r} is not a list of non-negative integers")
+    return tuple(value)
+
+
+def _parse_entry(name: str, e: Any, base: int, extra: dict[str, Any] | None) -> _Entry:
+    if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
+        raise ValueError(f"the entry of '{name}' lacks dtype, shape or data_offsets")
+    code = e["dtype"]
+    if not isinstance(code, str) or code not in _CODES:
+        raise ValueError(f"'{name}' has dtype {code!r}, which paramstore cannot read")
+    stored_shape = _shape(e["shape"], f"the shape of '{name}'")
+    offsets = e["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+    ):
+        raise ValueError(f"the data_offsets of '{name}' are not two non-negative integers")
+    start, end = offsets
+    want = math.prod(stored_shape) * _CODES[code].itemsize
+    if end - start != want:
+        raise ValueError(
+            f"'{name}' has data_offsets {offsets} ({end - start} bytes) but dtype {code} and "
+            f"shape {list(stored_shape)} need {want} bytes"
+        )
+    extra = extra or {}
+    dtype, shape = _CODES[code], stored_shape
+    if "dtype" in extra:
+        dtype, shape = _logical(name, code, stored_shape, extra)
+    crc = extra.get("crc32")
+    if crc is not None and not (isinstance(crc, str) and _HEX8.fullmatch(crc)):
+        raise ValueError(f"the crc32 of '{name}' is not 8 hex digits: {crc!r}")
+    return _Entry(name, code, base + start, base + end, dtype, shape, crc)
+
+
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+
+
+def _logical(
+    name: str, code: str, stored_shape: tuple[int, ...], extra: dict[str, Any]
+) -> tuple[np.dtype, tuple[int, ...]]:
+    """The true dtype and shape of a tensor stored as raw bytes or string data."""
+    try:
+        dtype = _dtype_from_name(extra["dtype"])
+    except ValueError as e:
+        raise ValueError(f"'{name}': {e}") from None
+    shape = _shape(extra.get("shape"), f"the logical shape of '{name}'")
+    if code != "U8" or len(stored_shape) != 1:
+        raise ValueError(f"'{name}' is {extra['dtype']} data but not stored as 1-D U8")
+    if not _is_string(dtype):
+        want = math.prod(shape) * dtype.itemsize
+        if want != stored_shape[0]:
+            raise ValueError(
+                f"'{name}' of dtype {dtype.name} and shape {list(shape)} needs {want} bytes, "
+                f"but {stored_shape[0]} are stored"
+            )
+    return dtype, shape
+
+
+def _check_layout(entries: Mapping[str, _Entry], base: int, size: int) -> None:
+    """Tensors must tile the data section exactly: no gap, overlap, or byte past the end."""
+    pos = base
+    for e in sorted(entries.values(), key=lambda e: (e.start, e.end)):
+        if e.start != pos:
+            raise ValueError(
+                f"'{e.name}' starts at byte {e.start - base} of the data, expected {pos - base} "
+                "(tensors overlap or leave a gap)"
+            )
+        pos = e.end
+    if pos != size:
+        what = "truncated" if pos > size else "longer than its header says"
+        raise ValueError(f"the file is {what}: the header needs {pos} bytes, the file has {size}")
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def _temp_path(path: str) -> str:
+    head, base = os.path.split(path)
+    return os.path.join(head, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+_TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory or ".", os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
+    """Atomically write ``arrays`` ({name: NumPy array}) as a checkpoint file at ``path``.
+
+    Streams: the header (with placeholder checksums of the same length) goes first, then
+    each tensor's bytes while their CRC-32s are computed beside the writes, then the final
+    header over the placeholder; fsync, rename over ``path``, fsync the directory. Only a
+    string tensor is ever encoded into a new buffer. Returns ``path`` as a string.
+    """
+    path = os.fspath(path)
+    for name in arrays:
+        _check_name(name)
+    tensors = [_encode(name, np.asarray(a)) for name, a in arrays.items()]
+    tensors.sort(key=lambda t: -t.itemsize)  # so each tensor starts aligned to its itemsize
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    tmp = _temp_path(path)
+    try:
+        with open(tmp, "xb", buffering=_BUFFER) as f:
+            f.write(_build_header(tensors, {}))
+            with _Checksums(deferred=True) as checksums:
+                for t in tensors:
+                    _write_tensor(f, t, checksums)
+                if checksums.queued:  # checksum the big tensors while the data goes to disk
+                    checksums.start()
+                    f.flush()
+                    _datasync(f.fileno())
+                crcs = checksums.result()
+            f.seek(0)
+            f.write(_build_header(tensors, crcs))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def _datasync(fd: int) -> None:
+    getattr(os, "fdatasync", os.fsync)(fd)
+
+
+def _write_tensor(f: BinaryIO, t: _Tensor, checksums: _Checksums) -> None:
+    if not t.data.nbytes:
+        checksums.add(t.name, t.data)
+    for i in range(0, t.data.nbytes, _CHUNK):
+        chunk = t.data[i : i + _CHUNK]
+        checksums.add(t.name, chunk)
+        f.write(chunk)
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"A checkpoint name must be a non-empty str, got {name!r}.")
+    if name == "__metadata__":
+        raise CheckpointError("'__metadata__' is reserved by safetensors; rename the variable.")
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """A new uint8 buffer aligned to 64 bytes, which jax on CPU can adopt without a copy."""
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes]
+
+
+class _Reader:
+    """An open checkpoint file with its checked header; ``load``/``load_many`` read tensors
+    and verify their checksums."""
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = os.fspath(path)  # a file: directories are resolved by the caller
+        self._f: BinaryIO = open(self.path, "rb", buffering=0)  # noqa: SIM115 - see close()
+        try:
+            size = os.fstat(self._f.fileno()).st_size
+            self.entries, self.metadata = _read_header(self._f, size)
+        except ValueError as e:
+            self._f.close()
+            raise CheckpointError(f"Checkpoint '{self.path}' is corrupt: {e}.") from None
+        except BaseException:
+            self._f.close()
+            raise
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def entry(self, name: str) -> _Entry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointError(
+                f"Checkpoint '{self.path}' has no variable '{name}'"
+                f"{_suggest(name, self.entries)}. Its variables: "
+                f"{_preview(sorted(self.entries))}."
+            ) from None
+
+    def load(self, name: str) -> np.ndarray:
+        """The verified value of tensor ``name`` (CheckpointError if absent or corrupt)."""
+        return dict(self.load_many([name]))[name]
+
+    def load_many(self, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
+        """``(name, value)`` for each name, in file order, as soon as each is read.
+
+        Checksums are computed beside the reads and verified after the last item: the
+        iterator raises CheckpointError instead of finishing if any fails, so a consumer
+        must not act on the values before the iteration ends (``Saver.restore`` assigns
+        only then). ``load`` and ``dict(load_many(...))`` are always verified.
+        """
+        entries = sorted((self.entry(n) for n in names), key=lambda e: e.start)
+        with _Checksums() as checksums:
+            for e in entries:
+                yield self._decoded(e, self._read(e, checksums))
+            crcs = checksums.result()
+        for e in entries:
+            if e.crc is not None and crcs[e.name] != e.crc:
+                raise CheckpointError(
+                    f"Checkpoint '{self.path}' is corrupt: the data of variable '{e.name}' "
+                    f"fails its checksum (crc32 {crcs[e.name]}, expected {e.crc}). "
+                    "Restore an older checkpoint."
+                )
+
+    def _read(self, e: _Entry, checksums: _Checksums) -> np.ndarray:
+        buf = _aligned_empty(e.nbytes)
+        view = buf.data
+        self._f.seek(e.start)
+        got = 0
+        if not e.nbytes:
+            checksums.add(e.name, view)
+        while got < e.nbytes:
+            n = self._f.readinto(view[got : got + _CHUNK])  # type: ignore[attr-defined]
+            if not n:
+                raise CheckpointError(
+                    f"Checkpoint '{self.path}' is truncated inside variable '{e.name}'."
+                )
+            checksums.add(e.name, view[got : got + n])
+            got += n
+        return buf
+
+    def _decoded(self, e: _Entry, buf: np.ndarray) -> tuple[str, np.ndarray]:
+        try:
+            return e.name, _decode(e, buf)
+        except ValueError as err:
+            raise CheckpointError(
+                f"Checkpoint '{self.path}' is corrupt: variable '{e.name}': {err}."
+            ) from None
+
+
+def _decode(e: _Entry, buf: np.ndarray) -> np.ndarray:
+    if _is_string(e.dtype):
+        return _decode_strings(buf, e.shape)
+    if e.code == "BOOL" and buf.size and buf.max() > 1:
+        raise ValueError("bool data holds bytes other than 0 and 1")
+    if sys.byteorder == "little":
+        return buf.view(e.dtype).reshape(e.shape)
+    return buf.view(e.dtype.newbyteorder("<")).reshape(e.shape).astype(e.dtype)
+
+
+def _suggest(name: str, names: Iterable[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _preview(names: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "") or "none"
