@@ -48,7 +48,7 @@ from paramstore.variable import Variable, VariableSlice
 
 __all__ = ["function", "Function"]
 
-_SCALARS = frozenset({bool, int, float, complex})
+_ARRAY = type(jnp.zeros(()))  # jax.Array's concrete class
 _get_value = operator.attrgetter("_value")
 # References to an array passed to a call: the variable, our list, getrefcount's argument.
 _OWN_REFS = 3
@@ -59,16 +59,16 @@ def _is_ref(x: Any) -> bool:
 
 
 def _leaf_key(x: Any) -> Any:
-    t = type(x)
-    if t in _SCALARS:
-        return t
+    """What a trace depends on: the abstract value (as jax.jit), or a reference's identity."""
+    if type(x) is _ARRAY:
+        return x.aval
     if isinstance(x, (Variable, Module)):
         return id(x)
     try:
-        return (x.shape, x.dtype, getattr(x, "weak_type", False))
-    except AttributeError:
+        return jax.typeof(x)  # NumPy arrays, Python scalars, tracers: the same avals
+    except TypeError:
         raise TypeError(
-            f"ps.function got an argument of type {t.__name__} ({x!r:.60}), which is not an "
+            f"ps.function got an argument of type {type(x).__name__} ({x!r:.60}), which is not an "
             "array, a Variable or a Module. Mark it static with static_argnums/static_argnames."
         ) from None
 
@@ -150,6 +150,7 @@ class Function:
             fn, static_argnums, static_argnames
         )
         self._cache: dict[Any, _Entry] = {}
+        self._treedefs: dict[int, Any] = {}  # of (args, {}) for n array arguments
         self._bound: weakref.ref[Any] | None = None
         self._instances: dict[int, Function] = {}
         self._lock = threading.RLock()
@@ -185,7 +186,13 @@ class Function:
             dyn, static = self._split(args, kwargs)
         else:
             dyn, static = (args, kwargs), ()
-        leaves, treedef = jax.tree_util.tree_flatten(dyn, is_leaf=_is_ref)
+        if not static and not kwargs and all(type(a) is _ARRAY for a in args):
+            leaves = list(args)  # the common case, without a Python is_leaf callback
+            treedef = self._treedefs.get(len(args))
+            if treedef is None:
+                treedef = self._treedefs[len(args)] = jax.tree_util.tree_structure(dyn)
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten(dyn, is_leaf=_is_ref)
         key = (treedef, static, *map(_leaf_key, leaves))
         try:
             entry = self._cache.get(key)
