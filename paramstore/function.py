@@ -48,7 +48,9 @@ from paramstore.variable import Variable, VariableSlice
 
 __all__ = ["function", "Function"]
 
-_ARRAY = type(jnp.zeros(()))  # jax.Array's concrete class
+# jax.Array's concrete class, learned at the first trace: creating an array at import would
+# start the XLA backend before a user's jax.distributed.initialize().
+_ARRAY: Any = None
 _get_value = operator.attrgetter("_value")
 # References to an array passed to a call: the variable, our list, getrefcount's argument.
 _OWN_REFS = 3
@@ -238,6 +240,8 @@ class Function:
         return args, kwargs
 
     def _trace_signature(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
+        global _ARRAY
+        _ARRAY = type(jnp.zeros(()))
         frame = _trace.Frame(
             f"ps.function '{self._name}'", capture=True, allow_create=self.trace_count == 0
         )

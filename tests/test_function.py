@@ -491,3 +491,17 @@ def test_numpy_array_operand_does_not_bake_the_variable_in():
     np.testing.assert_array_equal(f(), np.zeros((3, 2)))  # not a stale constant
     out = jax.vmap(lambda row: row @ v)(x)  # a NumPy operand under vmap: no conversion error
     np.testing.assert_array_equal(out, np.zeros((3, 2)))
+
+
+def test_importing_paramstore_does_not_start_the_xla_backend():
+    """jax.distributed.initialize() must run before the backend starts: import stays lazy."""
+    import subprocess
+    import sys
+
+    code = (
+        "import paramstore\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge.backends_are_initialized(), 'import started the backend'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
