@@ -27,21 +27,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Config:
-    name: str
-    layers: int
-    width: int
-    batch: int
-
-
+# name, layers, width, batch (step.py's Config, built once jax may be imported)
 MODELS = {
-    "dispatch": Config("dispatch-bound (4 x 32, batch 64)", 4, 32, 64),
-    "many": Config("many-variable (50 x 16, batch 64)", 50, 16, 64),
-    "compute": Config("compute-bound (4 x 512, batch 1024)", 4, 512, 1024),
+    "dispatch": ("dispatch-bound (4 x 32, batch 64)", 4, 32, 64),
+    "many": ("many-variable (50 x 16, batch 64)", 50, 16, 64),
+    "compute": ("compute-bound (4 x 512, batch 1024)", 4, 512, 1024),
 }
 
 
@@ -63,41 +54,28 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import paramstore as ps
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import step as single  # the same model, initial values and optimizer as step.py
+
+    Config, MLP, init_params, mlp, lr = (
+        single.Config,
+        single.MLP,
+        single.init_params,
+        single.mlp,
+        single.LR,
+    )
     mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(AxisType.Auto,))
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    lr = 1e-3
-
-    def init_params(cfg: Config) -> list[tuple[np.ndarray, np.ndarray]]:
-        rng = np.random.default_rng(0)
-        return [
-            (
-                (rng.standard_normal((cfg.width, cfg.width)) / np.sqrt(cfg.width)).astype(
-                    np.float32
-                ),
-                np.zeros(cfg.width, np.float32),
-            )
-            for _ in range(cfg.layers)
-        ]
 
     def data(cfg: Config) -> tuple[jax.Array, jax.Array]:
-        rng = np.random.default_rng(1)
-        x = rng.standard_normal((cfg.batch, cfg.width)).astype(np.float32)
-        y = rng.standard_normal((cfg.batch, cfg.width)).astype(np.float32)
+        x, y = single.data(cfg)
         return jax.device_put(x, split), jax.device_put(y, split)
-
-    def mlp(params, x):
-        for i, (w, b) in enumerate(params):
-            x = x @ w + b
-            if i < len(params) - 1:
-                x = jnp.tanh(x)
-        return x
 
     def jax_reference(cfg: Config) -> Callable[[], jax.Array]:
         tx = optax.adam(lr)
@@ -124,16 +102,6 @@ def main() -> None:
             return loss
 
         return run
-
-    class MLP(ps.Module):
-        def __init__(self, cfg: Config):
-            self.layers = [
-                (ps.Variable(w, name=f"w{i}"), ps.Variable(b, name=f"b{i}"))
-                for i, (w, b) in enumerate(init_params(cfg))
-            ]
-
-        def __call__(self, x):
-            return mlp(self.layers, x)
 
     def paramstore_function(cfg: Config) -> Callable[[], jax.Array]:
         with ps.device(mesh):  # parameters and optimizer state replicated over the mesh
@@ -173,7 +141,7 @@ def main() -> None:
     )
     worst = 0.0
     for key in args.models:
-        cfg = MODELS[key]
+        cfg = Config(*MODELS[key])
         steps = args.steps if key != "compute" else max(args.steps // 4, 5)
         runs: dict[str, Callable[[], jax.Array]] = {}
         with ps.VariableStore():
