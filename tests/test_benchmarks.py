@@ -1,0 +1,32 @@
+"""The benchmark scripts still run (smoke only: figures are read by people, not asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_eager_benchmark_prints_its_table():
+    out = run("eager.py", "--calls", "50", "--repeats", "1")
+    assert "ps.Variable: v.assign_add(d) / v + 1" in out
+
+
+@pytest.mark.slow
+def test_step_benchmark_prints_ratios_to_the_reference():
+    out = run("step.py", "--quick", "--models", "dispatch", "--variants", "ps.function")
+    assert "jax.jit (donated) [reference]" in out and "ps.function" in out
+    assert "first call (trace+compile+step), ps.function / jax.jit" in out
