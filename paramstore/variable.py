@@ -132,9 +132,14 @@ def _lossless(src: np.dtype, dst: np.dtype, weak: bool) -> bool:
     return bool(np.can_cast(src, dst, "safe"))
 
 
-def _dtype_error(var_name: str, src: Any, dst: np.dtype, op: str) -> TypeError:
+def _dtype_error(
+    var_name: str, src: Any, dst: np.dtype, op: str, python_value: Any = None
+) -> TypeError:
+    what = f"dtype {np.dtype(src).name}"
+    if python_value is not None:  # say what the user wrote, not NumPy's default width
+        what = f"Python {type(python_value).__name__} {python_value!r:.40} ({what})"
     return TypeError(
-        f"Cannot {op} a value of dtype {np.dtype(src).name} to variable '{var_name}' of dtype "
+        f"Cannot {op} a value of {what} to variable '{var_name}' of dtype "
         f"{dst.name}: the conversion would lose information. A variable's dtype never "
         f"changes; cast explicitly, e.g. value.astype({dst.name!r})."
     )
@@ -504,7 +509,7 @@ class Variable(_ArrayOps):
             ) from None
         src = arr.dtype if arr.dtype.kind not in "iu" else np.dtype(np.int64)
         if arr.dtype.kind in "USOT" or not _lossless(src, dst, weak=True):
-            raise _dtype_error(self._name, arr.dtype, dst, op)
+            raise _dtype_error(self._name, arr.dtype, dst, op, python_value=value)
         if dst.kind in "iu" and arr.size:
             info = np.iinfo(dst)
             if arr.min() < info.min or arr.max() > info.max:
