@@ -21,6 +21,19 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment of a child Python: this checkout importable, CPU only."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **extra)
+
+
+def _python(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` to completion (bounded) and capture its output."""
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=_env(**extra_env), timeout=120
+    )
+
+
 # A child that saves checkpoint 1 of 16 variables of 4 MiB (64 MiB), then checkpoint 2 with
 # every value + 1. With PAUSE set, it stops in the middle of writing checkpoint 2.
 CHILD = textwrap.dedent(
@@ -60,13 +73,12 @@ CHILD = textwrap.dedent(
 
 
 def _spawn(directory: Path, mode: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, str(directory), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=_env(),
     )
 
 
@@ -123,14 +135,7 @@ def test_async_save_is_flushed_at_interpreter_exit(tmp_path):
         print("RETURNED", flush=True)  # no wait(): exit must flush
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    run = _python("-c", code, str(tmp_path))
     assert run.returncode == 0, run.stderr
     value = checkpoint.load_variable(tmp_path / "ckpt-7.safetensors", "big")
     assert np.array_equal(value, np.arange(2**22, dtype=np.float32))
@@ -151,27 +156,18 @@ def test_async_save_error_at_exit_is_reported(tmp_path):
         manager.save(1)
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    run = _python("-c", code, str(tmp_path))
     assert "background checkpoint save failed" in run.stderr and "disk on fire" in run.stderr
 
 
 def test_python_m_paramstore_inspect(tmp_path):
     v = ps.Variable(np.arange(6, dtype=np.float32).reshape(2, 3), name="dense/w")
     path = checkpoint.Saver([v]).save(tmp_path / "m.safetensors")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "paramstore", "inspect"]
-    ok = subprocess.run([*cmd, path, "--values"], capture_output=True, text=True, env=env)
+    ok = _python("-m", "paramstore", "inspect", path, "--values")
     assert ok.returncode == 0, ok.stderr
     assert "dense/w" in ok.stdout and "[2, 3]" in ok.stdout and "2.5" in ok.stdout
     Path(path).write_bytes(b"\x10" + Path(path).read_bytes()[1:])  # header length now lies
-    bad = subprocess.run([*cmd, path], capture_output=True, text=True, env=env)
+    bad = _python("-m", "paramstore", "inspect", path)
     assert bad.returncode != 0 and "corrupt" in bad.stderr and path in bad.stderr
     assert "Traceback" not in bad.stderr
 
@@ -202,17 +198,5 @@ def test_restore_keeps_multi_device_sharding_and_placement(tmp_path):
         print("OK")
         """
     )
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-    )
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    run = _python("-c", code, str(tmp_path), XLA_FLAGS="--xla_force_host_platform_device_count=4")
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr
