@@ -44,7 +44,6 @@ class Frame:
 
     __slots__ = (
         "values",
-        "vars",
         "assigned",
         "captured",
         "capture",
@@ -56,18 +55,16 @@ class Frame:
     def __init__(
         self,
         owner: str,
-        bound: dict[int, tuple[Variable, Any]] | None = None,
+        bound: dict[int, Any] | None = None,
         *,
         capture: bool = False,
         open: bool = False,
         allow_create: bool = True,
     ) -> None:
         self.owner = owner
-        self.vars: dict[int, Variable] = {}
-        self.values: dict[int, Any] = {}
-        for key, (var, val) in (bound or {}).items():
-            self.vars[key] = var
-            self.values[key] = val
+        # id(variable) -> its value here. The variables behind the ids stay alive: bound ones
+        # are held by the caller, the others by `captured` (reads) or `assigned` (writes).
+        self.values: dict[int, Any] = dict(bound or {})
         self.assigned: dict[int, Variable] = {}
         self.captured: dict[int, tuple[Variable, Any]] = {}
         self.capture = capture
@@ -120,7 +117,6 @@ def _read(stack: list[Frame], i: int, var: Variable) -> Any:
         if frame.capture:
             outer = _read(stack, i - 1, var)
             value = _alias(outer)
-            frame.vars[key] = var
             frame.values[key] = value
             frame.captured[key] = (var, value)
             return value
@@ -150,7 +146,6 @@ def bind(var: Variable, value: Any) -> bool:
     key = id(var)
     for frame in reversed(stack):
         if key in frame.values or frame.open:
-            frame.vars[key] = var
             frame.values[key] = value
             frame.assigned[key] = var
             return True

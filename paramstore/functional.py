@@ -149,7 +149,7 @@ def _run_bound(
     """Run ``fn`` with ``variables`` bound to ``values``: (out, their new values, the frame).
 
     With ``open``, assigns to other variables are recorded in the frame, not refused."""
-    frame = _trace.Frame(owner, {id(v): (v, x) for v, x in zip(variables, values)}, open=open)
+    frame = _trace.Frame(owner, {id(v): x for v, x in zip(variables, values)}, open=open)
     with _trace.push(frame):
         out = fn(*args, **kwargs)
         out = jax.tree_util.tree_map(_as_value, out, is_leaf=_is_var)
