@@ -29,6 +29,8 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
+from paramstore.scope import preview_names
+
 FORMAT_VERSION = 1
 """The paramstore layout version written in ``__metadata__["paramstore.format_version"]``."""
 
@@ -538,7 +540,7 @@ class _Reader:
             raise CheckpointError(
                 f"Checkpoint '{self.path}' has no variable '{name}'"
                 f"{_suggest(name, self.entries)}. Its variables: "
-                f"{_preview(sorted(self.entries))}."
+                f"{preview_names(sorted(self.entries))}."
             ) from None
 
     def load(self, name: str) -> np.ndarray:
@@ -607,8 +609,3 @@ def _suggest(name: str, names: Iterable[str]) -> str:
 
     close = difflib.get_close_matches(name, list(names), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _preview(names: Sequence[str], limit: int = 10) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "") or "none"

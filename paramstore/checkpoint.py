@@ -65,13 +65,12 @@ from paramstore._safetensors import (
     _dtype_name,
     _Entry,
     _is_string,
-    _preview,
     _Reader,
     _suggest,
     write_arrays,
 )
 from paramstore.module import Module
-from paramstore.scope import VariableStore, default_store
+from paramstore.scope import VariableStore, default_store, preview_names
 from paramstore.variable import Variable
 
 __all__ = [
@@ -134,7 +133,7 @@ def load_variable(path: PathLike, name: str) -> np.ndarray:
         if name not in entries:
             raise CheckpointError(
                 f"Checkpoint '{resolved}' has no variable '{name}'{_suggest(name, entries)}. "
-                f"Its variables: {_preview(sorted(entries))}."
+                f"Its variables: {preview_names(sorted(entries))}."
             )
         return _sharded_load(resolved, {name: (entries[name], None)})[name]
     with _Reader(resolved) as r:
@@ -280,7 +279,7 @@ class Saver:
                 missing = [n for n in mapping if n not in r.entries]
                 raise CheckpointError(
                     f"Checkpoint '{r.path}' lacks {len(missing)} variable(s) of this Saver: "
-                    f"{_preview(missing)}{_suggest(missing[0], r.entries)}. Pass "
+                    f"{preview_names(missing)}{_suggest(missing[0], r.entries)}. Pass "
                     "allow_missing=True to restore the others."
                 )
             for name, v in present.items():
@@ -304,7 +303,7 @@ class Saver:
             missing = [n for n in mapping if n not in entries]
             raise CheckpointError(
                 f"Checkpoint '{path}' lacks {len(missing)} variable(s) of this Saver: "
-                f"{_preview(missing)}{_suggest(missing[0], entries)}. Pass "
+                f"{preview_names(missing)}{_suggest(missing[0], entries)}. Pass "
                 "allow_missing=True to restore the others."
             )
         wanted = {}
@@ -690,7 +689,7 @@ def _inspect_sharded(path: str, values: bool, name: str | None) -> str:
     if name is not None and name not in entries:
         raise CheckpointError(
             f"Checkpoint '{path}' has no variable '{name}'{_suggest(name, entries)}. "
-            f"Its variables: {_preview(sorted(entries))}."
+            f"Its variables: {preview_names(sorted(entries))}."
         )
     chosen = [entries[name]] if name is not None else [entries[n] for n in sorted(entries)]
     loaded = _sharded_load(path, {e["name"]: (e, None) for e in chosen}) if values else {}

@@ -59,6 +59,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from paramstore.function import function
 from paramstore.module import Module
+from paramstore.scope import preview_names
 from paramstore.variable import Reference, Variable
 
 __all__ = ["Optimizer"]
@@ -426,7 +427,7 @@ class Optimizer(Module):
                 raise ValueError(
                     f"apply_gradients got a gradient for variable '{var.name}', which this "
                     f"optimizer does not update (it was built over {len(targets)} variables: "
-                    f"{_preview([v.name for v in targets])})."
+                    f"{preview_names([v.name for v in targets], limit=8)})."
                 )
             if i in found:
                 raise ValueError(f"apply_gradients got two gradients for variable '{var.name}'.")
@@ -435,7 +436,7 @@ class Optimizer(Module):
         if missing:
             raise ValueError(
                 f"apply_gradients with zip(grads, vars) has no gradient for {len(missing)} "
-                f"of the optimizer's variables: {_preview(missing)}. Pass gradients for all "
+                f"of the optimizer's variables: {preview_names(missing, limit=8)}. Pass gradients for all "
                 "of them (zeros to leave one as it is), or build an optimizer over the "
                 "variables you train."
             )
@@ -582,8 +583,3 @@ def _all_arrays(tree: Any) -> bool:
         isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
         for x in jax.tree_util.tree_leaves(tree)
     )
-
-
-def _preview(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

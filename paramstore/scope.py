@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -305,6 +305,12 @@ def get_variable(
         var = Variable(value, trainable=trainable, dtype=dt, _full_name=full)
     store._share(var)
     return var
+
+
+def preview_names(names: Sequence[str], limit: int = 10) -> str:
+    """``'a', 'b' and 3 more`` for error messages (``none`` for no names)."""
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "") or "none"
 
 
 def _as_shape(shape: Any) -> tuple[int, ...]:
