@@ -167,7 +167,7 @@ class VariableStore:
         """An immutable ``{full_name: jax.Array}`` mapping (a pytree) of the live variables."""
         from paramstore.functional import state
 
-        return state([v for v in self.variables() if not v._is_string])
+        return state(self)  # string variables are host data: ps.state leaves them out
 
     def __repr__(self) -> str:
         return f"<ps.VariableStore with {len(self._live)} live variables>"
