@@ -17,7 +17,7 @@ from paramstore.scope import (
     name_scope,
     variable_scope,
 )
-from paramstore.sharding import device
+from paramstore._placement import device
 from paramstore.variable import Reference, Variable, VariableSlice
 
 __version__ = "0.1.0"

@@ -1,18 +1,28 @@
-"""Binding frames: the one mechanism behind ``ps.pure``, the gradients and ``ps.function``.
+"""Binding frames: the one mechanism behind ``ps.function``, ``ps.pure`` and the gradients.
 
-A *frame* binds variables to values (often tracers) for the duration of a call, on the
+A *frame* binds variables to values (usually tracers) for the duration of a call, on the
 current thread only. While a frame is active, ``Variable.value()`` returns the bound value
-and ``Variable.assign`` rebinds it; the real variables are never touched. Frames nest:
+and an assign rebinds it; the real variables are never touched. Frames nest:
 
 * a *pure* frame (``ps.pure``) binds a fixed set of variables; reads of other variables
-  pass through to the enclosing frame (or the real value); an assign to a variable
-  outside its set is an error, because its new value could not be returned.
+  pass through to the enclosing frame (or the real value); assigning a variable outside
+  its set is an error, because its new value could not be returned.
 * an *open* frame (``ps.grad``) is a pure frame that also records assigns to variables
   outside its set, so they can be applied after the call.
-* a *capture* frame (``ps.function``'s trace) is a pure frame with an open set: the first
-  read of any variable records it and returns a fresh alias of its array (zero-copy), so
-  the traced jaxpr holds that alias as a constant which ``ps.function`` then lifts to an
-  input. Every assign is recorded and becomes an output.
+* a *capture* frame (``ps.function``'s trace) has an open set: the first read of a variable
+  records a zero-copy alias of its array as a constant of the jaxpr (which ``ps.function``
+  lifts to an input) and binds the variable to that constant's tracer, so a concrete read
+  (``float(v)``) raises JAX's concretization error instead of baking a value in. Variables
+  created with a traced initial value are bound here too (``create``).
+
+State inside control flow. A binding is a plain Python value while it is used in the
+frame's own trace (its *base*: the trace that was current when the frame was pushed). The
+first time a variable is read or written from a nested trace (a ``lax.fori_loop``, ``scan``,
+``while_loop``, ``cond``/``switch`` body, ``jax.checkpoint``, ``jax.vmap``, ``jax.grad``...),
+its binding is promoted to a ``jax.new_ref`` created in the base trace; from then on reads
+and writes are ref effects, which every JAX transformation threads through its bodies, and
+the frame's result is the ref's final value. Straight-line code never creates a ref, so
+its jaxpr is exactly what a hand-written pure function gives.
 
 ``depth`` counts active frames over all threads, so ``Variable.value()`` costs one global
 check when no frame is active anywhere.
@@ -23,18 +33,21 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-if TYPE_CHECKING:
-    from paramstore.variable import Variable
+from paramstore._context import ctx
+from paramstore._jax import EVAL, Tracer, current_trace, ref_in, staging, trace_of, tracer_in
 
-Tracer = jax.core.Tracer
+__all__ = ["Frame", "PURE", "OPEN", "CAPTURE", "push", "active", "read", "bind", "create"]
 
+Variable = Any  # paramstore.variable.Variable, which sits above this module
+
+PURE, OPEN, CAPTURE = 0, 1, 2
 depth = 0  # active frames, all threads together
 _depth_lock = threading.Lock()
-_local = threading.local()
 
 NON_FIRST_TRACE = "ps.function-decorated function tried to create variables on non-first trace."
 
@@ -43,51 +56,85 @@ class Frame:
     """Variables bound to values for one call (see the module docstring)."""
 
     __slots__ = (
+        "owner",
+        "kind",
+        "base",
         "values",
+        "refs",
+        "vars",
         "assigned",
         "captured",
-        "capture",
-        "open",
+        "created",
         "allow_create",
-        "owner",
     )
 
     def __init__(
         self,
         owner: str,
-        bound: dict[int, Any] | None = None,
+        kind: int = PURE,
+        bound: list[tuple[Variable, Any]] | None = None,
         *,
-        capture: bool = False,
-        open: bool = False,
         allow_create: bool = True,
     ) -> None:
         self.owner = owner
-        # id(variable) -> its value here. The variables behind the ids stay alive: bound ones
-        # are held by the caller, the others by `captured` (reads) or `assigned` (writes).
-        self.values: dict[int, Any] = dict(bound or {})
+        self.kind = kind
+        self.base: Any = None  # set by push
+        # id(variable) -> its value (or ref) here; `vars` keeps the variables alive.
+        self.values: dict[int, Any] = {}
+        self.refs: dict[int, Any] = {}
+        self.vars: dict[int, Variable] = {}
         self.assigned: dict[int, Variable] = {}
         self.captured: dict[int, tuple[Variable, Any]] = {}
-        self.capture = capture
-        self.open = open or capture
+        self.created: list[tuple[Variable, Any]] = []
         self.allow_create = allow_create
+        for var, value in bound or ():
+            self.values[id(var)] = value
+            self.vars[id(var)] = var
 
+    def get(self, key: int) -> Any:
+        ref = self.refs.get(key)
+        if ref is not None:
+            return ref[...]
+        if current_trace() is self.base:
+            return self.values[key]
+        return self._promote(key)[...]
 
-def _stack() -> list[Frame]:
-    stack: list[Frame] | None = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    def put(self, key: int, value: Any) -> None:
+        ref = self.refs.get(key)
+        if ref is None:
+            if current_trace() is self.base:
+                self.values[key] = value
+                return
+            ref = self._promote(key)
+        ref[...] = value
+
+    def _promote(self, key: int) -> Any:
+        ref = self.refs[key] = ref_in(self.base, self.values[key])
+        return ref
+
+    def final(self, var: Variable) -> Any:
+        """``var``'s value at the end of the frame (call it in the base trace)."""
+        ref = self.refs.get(id(var))
+        return ref[...] if ref is not None else self.values[id(var)]
+
+    def capture(self, var: Variable, outer: Any) -> None:
+        """Bind ``var`` to a new constant of this (capture) frame's jaxpr holding ``outer``."""
+        alias = _alias(outer)
+        self.values[id(var)] = tracer_in(self.base, alias)
+        self.vars[id(var)] = var
+        self.captured[id(var)] = (var, alias)
 
 
 def active() -> bool:
     """Whether a frame is active on this thread."""
-    return bool(depth and getattr(_local, "stack", None))
+    return bool(depth and ctx.frames)
 
 
 @contextlib.contextmanager
 def push(frame: Frame) -> Iterator[Frame]:
     global depth
-    stack = _stack()
+    frame.base = current_trace()
+    stack = ctx.frames
     stack.append(frame)
     with _depth_lock:
         depth += 1
@@ -108,60 +155,120 @@ def _alias(value: Any) -> Any:
     return value
 
 
-def _read(stack: list[Frame], i: int, var: Variable) -> Any:
+def _lookup(stack: list[Frame], i: int, var: Variable, captured: bool = False) -> Any:
+    """``var``'s value seen from frame ``i`` down (``captured``: for a capture frame above,
+    which turns a real value into an input of its program, so nothing is baked in)."""
     key = id(var)
     while i >= 0:
         frame = stack[i]
         if key in frame.values:
-            return frame.values[key]
-        if frame.capture:
-            outer = _read(stack, i - 1, var)
-            value = _alias(outer)
-            frame.values[key] = value
-            frame.captured[key] = (var, value)
-            return value
+            return frame.get(key)
+        if frame.kind == CAPTURE:
+            frame.capture(var, _lookup(stack, i - 1, var, captured=True))
+            return frame.get(key)
         i -= 1
+    return var._value if captured else outside(var)
+
+
+def outside(var: Variable) -> Any:
+    """``var``'s real value, refused where a trace would bake it in as a constant."""
+    trace = current_trace()
+    if trace is not EVAL and staging(trace):
+        raise TypeError(
+            f"Variable '{var.name}' was read inside a JAX trace that compiles (jax.jit, "
+            "jax.lax control flow, jax.make_jaxpr ...) outside any ps.function or ps.pure: "
+            "its current value would be baked into the compiled program as a constant and "
+            "go stale after the next assign. Decorate the outer function with @ps.function, "
+            "or pass the variable's values in with ps.pure(fn, variables). To export a "
+            "model with its current values as constants, close over ps.state(model) in a "
+            "ps.pure function (see docs/state.md)."
+        )
     return var._value
 
 
 def read(var: Variable) -> Any:
     """The value ``var`` has on this thread: bound by a frame, or its real value."""
-    stack = getattr(_local, "stack", None)
+    stack = ctx.frames
     if not stack:
-        return var._value
+        return outside(var)
     if var._is_string:
         raise TypeError(
             f"Variable '{var.name}' holds strings (host-side NumPy data) and cannot be used "
             f"inside {stack[-1].owner}. Read it outside the compiled or transformed function "
             "and pass what you need as a static argument."
         )
-    return _read(stack, len(stack) - 1, var)
+    return _lookup(stack, len(stack) - 1, var)
 
 
 def bind(var: Variable, value: Any) -> bool:
     """Rebind ``var`` in the innermost frame that owns it. False when no frame is active."""
-    stack = getattr(_local, "stack", None)
+    stack = ctx.frames
     if not stack:
         return False
     key = id(var)
-    for frame in reversed(stack):
-        if key in frame.values or frame.open:
-            frame.values[key] = value
-            frame.assigned[key] = var
-            return True
-        raise ValueError(
-            f"{frame.owner} assigned variable '{var.name}', which is not among the variables "
-            "it was given, so its new value could not be returned. Pass that variable too "
-            "(e.g. model.variables rather than model.trainable_variables)."
-        )
+    for i in range(len(stack) - 1, -1, -1):
+        frame = stack[i]
+        if key not in frame.values:
+            if frame.kind == PURE:
+                raise ValueError(
+                    f"{frame.owner} assigned variable '{var.name}', which is not among the "
+                    "variables it was given, so its new value could not be returned. Pass "
+                    "that variable too (e.g. model.variables rather than "
+                    "model.trainable_variables)."
+                )
+            if current_trace() is not frame.base:  # a nested write updates a ref of the
+                if frame.kind == CAPTURE:  # value before it: bind that value first
+                    frame.capture(var, _lookup(stack, i - 1, var, captured=True))
+                else:
+                    frame.values[key] = _lookup(stack, i - 1, var)
+                    frame.vars[key] = var
+            else:
+                frame.vars[key] = var
+        frame.put(key, value)
+        frame.assigned[key] = var
+        return True
     return False
 
 
 def check_create() -> None:
     """Raise when a variable may not be created here (a non-first ps.function trace)."""
-    for frame in getattr(_local, "stack", ()):
+    for frame in ctx.frames:
         if not frame.allow_create:
             raise ValueError(
                 NON_FIRST_TRACE + " Create variables outside the function, or only on its "
                 "first call (e.g. `if self.w is None: self.w = ps.Variable(...)`)."
             )
+
+
+def create(var: Variable, value: Any) -> None:
+    """Bind a variable created with a traced initial value in the enclosing capture frame.
+
+    The value is copied to a jaxpr variable of its own, which ``ps.function`` turns into an
+    input after the trace (and computes once, as the variable's initial value)."""
+    stack = ctx.frames
+    frame = stack[0] if stack and stack[0].kind == CAPTURE else None
+    if frame is None or trace_of(value) is not frame.base or current_trace() is not frame.base:
+        where = stack[-1].owner if stack else "a plain JAX transformation (jax.jit, ...)"
+        raise ValueError(
+            f"The initial value of variable '{var.name}' is a traced value computed inside "
+            f"{where}, where it cannot become a variable's state. Create variables in the "
+            "body of a ps.function itself (not inside ps.pure, ps.grad, a lax control-flow "
+            "body or a plain jax.jit), or outside it, or pass a concrete value or a "
+            "callable (e.g. ps.Variable(lambda: jnp.zeros(shape)))."
+        )
+    copy = jnp.array(value, copy=True)  # its own jaxpr variable, distinct from `value`
+    frame.values[id(var)] = copy
+    frame.vars[id(var)] = var
+    frame.created.append((var, copy))
+
+
+@contextlib.contextmanager
+def no_frames() -> Iterator[None]:
+    """Run a block as if no frame were active on this thread (for state that is created
+    once and shared, such as the global generator)."""
+    saved = ctx.frames
+    ctx.frames = []
+    try:
+        yield
+    finally:
+        ctx.frames = saved

@@ -325,8 +325,7 @@ def _assign_all(
     for name, value in values.items():
         v = present[name]
         if id(v) in moves:
-            with v._lock:
-                v._value = value
+            v._write(value, owned=True)
         else:
             v.assign(value, read_value=False)
 
@@ -399,7 +398,7 @@ def _to_host(name: str, x: Any, copy: bool) -> np.ndarray:
 
 
 def _check_assignable(name: str, v: Variable) -> None:
-    if v._detached:
+    if type(v) is not Variable:
         raise TypeError(
             f"Saver: '{name}' is a detached copy of variable '{v.name}' (it went through a "
             "JAX transformation as a pytree) and cannot be assigned; restore the original."

@@ -4,23 +4,39 @@ How it works. For each new signature (argument shapes/dtypes, static arguments, 
 identity of Variables/Modules passed as arguments) the function is traced **once** with
 ``jax.make_jaxpr`` inside a capture frame (see ``_trace``):
 
-* the first read of each variable returns a fresh zero-copy alias of its array, which the
-  jaxpr records as a constant; those constants are then *lifted* to inputs of the jaxpr,
-  so nothing is baked in: every call passes the variables' current arrays.
+* the first read of each variable records a zero-copy alias of its array as a constant of
+  the jaxpr and binds the variable to that constant's tracer; the constants are then
+  *lifted* to inputs, so nothing is baked in: every call passes the variables' current
+  arrays. A concrete read (``float(v)``) raises JAX's concretization error.
 * every assign is recorded; the final values become extra outputs, swapped into the
-  variables after the call. A Python exception (at trace or run time) changes nothing.
+  variables after the call. Reads and assigns inside ``lax`` control flow, ``jax.vmap``,
+  ``jax.checkpoint`` and ``jax.grad`` bodies are ref effects (``_trace``), which the
+  compiled program threads through those bodies.
+* variables created during the first trace from a traced value (a layer that builds
+  itself from its input's shape) get their value from a small program cut out of the
+  trace (the computation of their initial values only), run once right after the trace;
+  in the step itself they are inputs like any other variable. An initial value that
+  depends on the *values* of the arguments is a ``ValueError``.
 * the lifted jaxpr is run by ``jax.jit``, whose C++ dispatch does the per-call work; our
   own per-call cost is a dict lookup on the signature and a few C-level list operations.
 
 Donation. A variable that the function both reads and assigns has its input buffer
-donated, so XLA updates it in place. Donation would invalidate an array that someone
-else still holds (``old = v.value()``), so each call checks the array's reference count:
-if anything besides the variable holds it, a copy is donated instead and the user's
-array stays valid. ``donate=False`` turns donation off.
+donated, so XLA updates it in place, but only a buffer the variable owns (one that came
+out of its own computation, see ``variable``) and that nobody else holds (the reference
+count): any other is copied first, so an array the user holds stays valid. A program with
+host callbacks (``jax.debug.callback``, ``io_callback`` ...), which can raise while it
+runs, donates nothing and is waited for before its results are swapped in, so a run-time
+error leaves every variable as it was. ``donate=False`` turns donation off.
 
-Variables may be created during the first trace only (their initial values are computed
-eagerly, outside the trace); creating one on a later trace raises ``ValueError``.
-A ``ps.function`` called inside another, or inside ``ps.pure``/``ps.grad``, is inlined.
+Threads. Each call gathers its inputs, dispatches and swaps its outputs under the state
+lock (``_context.STATE_LOCK``), so it is atomic with respect to the variables it touches;
+dispatch is asynchronous, so the lock is held for microseconds, not for the computation.
+
+Variables may be created during the first trace only; creating one on a later trace
+raises ``ValueError``. A trace that fails creates nothing it cannot keep: variables it
+created stay in their store (with their initial values). A ``ps.function`` called inside
+another, or inside ``ps.pure``/``ps.grad``, is inlined; one that assigns variables (or
+reads them under ``jax.jit``) called inside a plain JAX transformation raises TypeError.
 """
 
 from __future__ import annotations
@@ -31,20 +47,21 @@ import operator
 import sys
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import repeat
 from typing import Any
 
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
+from paramstore._context import STATE_LOCK
+from paramstore._jax import EVAL, current_trace, staging
+from paramstore._store import default_store
 from paramstore.module import Module
-from paramstore.scope import default_store
-from paramstore.variable import Variable, VariableSlice
+from paramstore.variable import UNOWNED, Variable, VariableSlice, private_copy, write_all
 
 __all__ = ["function", "Function"]
 
@@ -54,6 +71,7 @@ _ARRAY: Any = None
 _get_value = operator.attrgetter("_value")
 # References to an array passed to a call: the variable, our list, getrefcount's argument.
 _OWN_REFS = 3
+_HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
 
 
 def _is_ref(x: Any) -> bool:
@@ -79,11 +97,22 @@ def _is_var_or_slice(x: Any) -> bool:
     return isinstance(x, (Variable, VariableSlice))
 
 
+def _has_host_callback(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if any(word in eqn.primitive.name for word in _HOST_CALLBACKS):
+            return True
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            if _has_host_callback(sub):
+                return True
+    return False
+
+
 class _Entry:
     """One traced signature: the lifted jaxpr's runner and the variables it moves."""
 
     def __init__(
         self,
+        owner: str,
         runner: Callable[..., Any],
         donated: list[Variable],
         readonly: list[Variable],
@@ -93,38 +122,69 @@ class _Entry:
         refs: list[Any],
         n_leaves: int,
         donate: bool,
+        wait: bool,
     ) -> None:
+        self.owner = owner
         self.runner = runner
         self.donated = donated
+        self.donated_ids = frozenset(map(id, donated))
         self.readonly = readonly
         self.assigned = assigned
+        self.assigned_ids = [id(v) for v in assigned]
+        self.touches = bool(donated or readonly or assigned)
         self.out_tree = out_tree
         self.ref_pos = ref_pos
         self.refs = [weakref.ref(r) for r in refs]
         self.array_pos = [i for i in range(n_leaves) if i not in set(ref_pos)]
         self.donate = donate
+        self.wait = wait
 
     def __call__(self, leaves: list[Any]) -> Any:
+        trace = current_trace()
+        if trace is not EVAL and self.touches and (self.assigned or staging(trace)):
+            self._transformed()
         if self.ref_pos:  # Variables/Modules passed as arguments are read, not passed
             leaves = [leaves[i] for i in self.array_pos]
-        don = list(map(_get_value, self.donated))
-        if self.donate:
-            counts = list(map(sys.getrefcount, don))
-            if max(counts) > _OWN_REFS:  # someone else holds an array: donate a copy of it
-                don = [jnp.array(x, copy=True) if c > _OWN_REFS else x for x, c in zip(don, counts)]
-        ro = list(map(_get_value, self.readonly))
-        new, out = self.runner(don, ro, leaves)
-        if new:
-            if isinstance(new[0], jax.core.Tracer):
-                names = ", ".join(v.name for v in self.assigned)
-                raise TypeError(
-                    f"A ps.function that assigns variables ({names}) was called inside a plain "
-                    "JAX transformation (jax.jit, jax.vmap, jax.grad ...), where the new "
-                    "values would be leaked tracers. Call it outside, make the outer function "
-                    "a ps.function too, or use ps.pure."
-                )
-            deque(map(setattr, self.assigned, repeat("_value"), new), maxlen=0)
+        if self.wait:
+            return self._call_and_wait(leaves)
+        with STATE_LOCK:
+            don = list(map(_get_value, self.donated))
+            if self.donate:
+                counts = list(map(sys.getrefcount, don))
+                unowned = UNOWNED and not self.donated_ids.isdisjoint(UNOWNED)
+                if unowned or max(counts) > _OWN_REFS:  # someone else may hold it: a copy
+                    don = [
+                        private_copy(x) if c > _OWN_REFS or id(v) in UNOWNED else x
+                        for v, x, c in zip(self.donated, don, counts)
+                    ]
+            ro = list(map(_get_value, self.readonly))
+            new, out = self.runner(don, ro, leaves)
+            if new:
+                write_all(self.assigned, self.assigned_ids, new)
         return jax.tree_util.tree_unflatten(self.out_tree, out)
+
+    def _call_and_wait(self, leaves: list[Any]) -> Any:
+        """A program that can raise on the host: no donation, results swapped in only
+        after it finished (the lock is not held while it runs: a callback may read a
+        variable)."""
+        with STATE_LOCK:
+            don = list(map(_get_value, self.donated))
+            ro = list(map(_get_value, self.readonly))
+        new, out = jax.block_until_ready(self.runner(don, ro, leaves))
+        if new:
+            with STATE_LOCK:
+                write_all(self.assigned, self.assigned_ids, new)
+        return jax.tree_util.tree_unflatten(self.out_tree, out)
+
+    def _transformed(self) -> None:
+        names = ", ".join(v.name for v in (self.assigned or [*self.donated, *self.readonly]))
+        what = "assigns" if self.assigned else "reads"
+        raise TypeError(
+            f"{self.owner}, which {what} variables ({names:.200}), was called inside a plain "
+            "JAX transformation (jax.jit, jax.vmap, jax.grad, lax control flow ...), where "
+            "new values would be leaked tracers and read values would be baked in. Call it "
+            "outside, make the outer function a ps.function too, or use ps.pure."
+        )
 
     def alive(self, leaves: list[Any]) -> bool:
         """Whether the Variables/Modules this entry was traced with are still these."""
@@ -176,13 +236,24 @@ class Function:
             weakref.finalize(instance, self._instances.pop, key, None)
         return bound
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Function:
+        """A new compiled function of the same Python function (its traces are not shared)."""
+        new = Function(
+            self._fn,
+            static_argnums=self._static_argnums,
+            static_argnames=self._static_argnames,
+            donate=self._donate,
+        )
+        memo[id(self)] = new
+        return new
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._bound is not None:
             instance = self._bound()
             if instance is None:
                 raise ReferenceError("The object this ps.function method is bound to is gone.")
             args = (instance, *args)
-        if _trace.depth and _trace.active():
+        if _trace.active():
             return self._fn(*args, **kwargs)  # inside another ps.function or ps.pure: inline
         if self._static_argnums or self._static_argnames:
             dyn, static = self._split(args, kwargs)
@@ -242,41 +313,45 @@ class Function:
     def _trace_signature(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
         global _ARRAY
         _ARRAY = type(jnp.zeros(()))
-        frame = _trace.Frame(
-            f"ps.function '{self._name}'", capture=True, allow_create=self.trace_count == 0
-        )
+        owner = f"ps.function '{self._name}'"
+        frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=self.trace_count == 0)
         ref_pos = [i for i, x in enumerate(leaves) if _is_ref(x)]
         refs = {i: leaves[i] for i in ref_pos}
         arrays = [x for i, x in enumerate(leaves) if i not in refs]
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"out_tree": None, "assigned": []}
 
-        def flat(*arrays: Any) -> tuple[list[Any], list[Any]]:
+        def flat(*arrays: Any) -> tuple[list[Any], list[Any], list[Any]]:
             it = iter(arrays)
             full = [refs[i] if i in refs else next(it) for i in range(len(leaves))]
             args, kwargs = self._merge(jax.tree_util.tree_unflatten(treedef, full), static)
+            out_leaves: list[Any] = []
+            new: list[Any] = []
             with _trace.push(frame):
-                out = self._fn(*args, **kwargs)
-                out_leaves, result["out_tree"] = jax.tree_util.tree_flatten(
-                    out, is_leaf=_is_var_or_slice
-                )
-                out_leaves = [x.value() if _is_var_or_slice(x) else x for x in out_leaves]
-                assigned = result["assigned"] = list(frame.assigned.values())
-                new = [frame.values[id(v)] for v in assigned]
-            return out_leaves, new
+                try:
+                    out = self._fn(*args, **kwargs)
+                    out_leaves, result["out_tree"] = jax.tree_util.tree_flatten(
+                        out, is_leaf=_is_var_or_slice
+                    )
+                    out_leaves = [x.value() if _is_var_or_slice(x) else x for x in out_leaves]
+                    result["assigned"] = list(frame.assigned.values())
+                    new = list(map(frame.final, result["assigned"]))
+                except Exception as e:
+                    if not frame.created:
+                        raise
+                    result["error"] = e  # finish the trace to give the created variables
+                    out_leaves, new, result["assigned"] = [], [], []  # their values
+            return out_leaves, new, [x for _, x in frame.created]
 
-        store = default_store()
-        before = set(map(id, store.variables()))
-        try:
+        with STATE_LOCK:  # no step may donate an array this trace holds an alias of
             closed = jax.make_jaxpr(flat)(*arrays)
-        except BaseException:
-            for var in store.variables():  # a failed trace leaves no variables behind
-                if id(var) not in before:
-                    store._forget(var)
-            raise
-        _sharding.settle_unplaced(
-            result["assigned"], [*(v._value for v, _ in frame.captured.values()), *arrays]
-        )
-        entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
+            if frame.created:
+                _initialize(closed, frame.created, result.get("error"))
+            if "error" in result:
+                raise result["error"]
+            _sharding.settle_unplaced(
+                result["assigned"], [*(v._value for v, _ in frame.captured.values()), *arrays]
+            )
+            entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
         self._cache[key] = entry
         self.trace_count += 1
         return entry
@@ -290,21 +365,32 @@ class Function:
         refs: list[Any],
         n_leaves: int,
     ) -> _Entry:
-        """Turn the constants that are variables' arrays into inputs; build the runner."""
+        """Turn the variables' constants (and created variables' initial values) into
+        inputs; build the runner."""
         jaxpr = closed.jaxpr
-        var_of = {id(value): var for var, value in frame.captured.values()}
+        n_created = len(frame.created)
+        var_of = {id(alias): var for var, alias in frame.captured.values()}
         assigned: list[Variable] = result["assigned"]
         written = {id(v) for v in assigned}
+        moved: list[tuple[Variable, Any]] = []
         keep_vars, keep_consts = [], []
-        donated: list[tuple[Variable, Any]] = []
-        readonly: list[tuple[Variable, Any]] = []
         for cvar, const in zip(jaxpr.constvars, closed.consts):
             var = var_of.get(id(const))
             if var is None:
                 keep_vars.append(cvar)
                 keep_consts.append(const)
             else:
-                (donated if id(var) in written else readonly).append((var, cvar))
+                moved.append((var, cvar))
+        # A created variable's initial value is the output of one `copy` (see
+        # _trace.create): in the step, that jaxpr variable becomes an input instead.
+        outvars = list(jaxpr.outvars)
+        init_vars = outvars[len(outvars) - n_created :]
+        cut = {id(v) for v in init_vars}
+        eqns = [e for e in jaxpr.eqns if not (len(e.outvars) == 1 and id(e.outvars[0]) in cut)]
+        moved += [(var, jv) for (var, _), jv in zip(frame.created, init_vars)]
+        outvars = outvars[: len(outvars) - n_created]
+        donated = [(v, c) for v, c in moved if id(v) in written]
+        readonly = [(v, c) for v, c in moved if id(v) not in written]
         # jit pairs each output with the first unused donated input of the same shape and
         # dtype, in order. Donated inputs in the order of their outputs, and those outputs
         # first, pair every variable's new value with its own old buffer: XLA updates it in
@@ -319,11 +405,19 @@ class Function:
         moved = donated + readonly
         invars = [c for _, c in moved] + list(jaxpr.invars)
         info = jaxpr.debug_info
-        if info is not None and info.arg_names is not None:
-            info = info._replace(arg_names=(*(v.name for v, _ in moved), *info.arg_names))
-        lifted = jaxpr.replace(constvars=keep_vars, invars=invars, debug_info=info)
+        if info is not None:
+            arg_names = info.arg_names
+            if arg_names is not None:
+                arg_names = (*(v.name for v, _ in moved), *arg_names)
+            paths = info.result_paths
+            if paths is not None and not callable(paths):
+                paths = tuple(paths)[: len(outvars)]
+            info = info._replace(arg_names=arg_names, result_paths=paths)
+        lifted = jaxpr.replace(
+            constvars=keep_vars, invars=invars, eqns=eqns, outvars=outvars, debug_info=info
+        )
         fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
-        n_out = len(jaxpr.outvars) - len(assigned)
+        n_out = len(outvars) - len(assigned)
 
         # Assigned variables come back with the very sharding they went in with (jit's
         # out_shardings; a with_sharding_constraint would hand back an equivalent but
@@ -338,13 +432,15 @@ class Function:
             new = res[n_out:]
             return [new[i] for i in order], res[:n_out]
 
-        donate = self._donate and bool(donated)
+        wait = _has_host_callback(lifted)
+        donate = self._donate and bool(donated) and not wait
         runner = jax.jit(
             run,
             donate_argnums=(0,) if donate else (),
             out_shardings=(keep, None) if any(sh is not None for sh in keep) else None,
         )
         return _Entry(
+            f"ps.function '{self._name}'",
             runner,
             [v for v, _ in donated],
             [v for v, _ in readonly],
@@ -354,10 +450,38 @@ class Function:
             refs,
             n_leaves,
             donate,
+            wait,
         )
 
     def __repr__(self) -> str:
         return f"<ps.function {getattr(self, '__qualname__', self._fn)!s}>"
+
+
+
+def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) -> None:
+    """Compute the initial values of the variables created (with traced values) during the
+    trace ``closed``: run the part of the jaxpr they depend on, once, and write them."""
+    jaxpr = closed.jaxpr
+    n_out, n_created = len(jaxpr.outvars), len(created)
+    names = ", ".join(f"'{v.name}'" for v, _ in created)
+    with_consts = pe.convert_constvars_jaxpr(jaxpr)
+    used_out = [False] * (n_out - n_created) + [True] * n_created
+    init, used_in = pe.dce_jaxpr(with_consts, used_out)
+    n_consts = len(jaxpr.constvars)
+    if any(used_in[n_consts:]):
+        for var, _ in created:
+            default_store()._forget(var)
+        raise ValueError(
+            f"The initial value of variable(s) {names}, created inside a ps.function, "
+            "depends on the values of the function's arguments. An initial value may depend "
+            "on their shapes and dtypes only (as Keras' build(input_shape)): compute it from "
+            "x.shape, or create the variable outside and assign it."
+        ) from error
+    consts = [c for c, used in zip(closed.consts, used_in[:n_consts]) if used]
+    init = init.replace(debug_info=init.debug_info.with_unknown_names())
+    values = jax.jit(jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, [])))(*consts)
+    for (var, _), value in zip(created, values):
+        var._write(value, owned=True)
 
 
 def _static_args(

@@ -6,9 +6,8 @@ Contract:
   ``init(shape, dtype=jnp.float32) -> jax.Array``. ``shape`` may be an int or any
   sequence of ints and ``dtype`` anything ``jnp.dtype`` accepts; the result has exactly
   that shape and dtype (after JAX's usual canonicalization: 64-bit types become 32-bit
-  unless ``jax_enable_x64`` is set). Initializers run eagerly, under
-  ``jax.ensure_compile_time_eval()``, so they return concrete arrays even while a
-  ``jax.jit`` trace is active.
+  unless ``jax_enable_x64`` is set). Called inside a ``ps.function`` trace they return
+  traced values (a variable created from one gets its value computed after the trace).
 * ``zeros``, ``ones`` and ``constant(value)`` work for every dtype (bool, integer,
   floating, complex). ``constant`` broadcasts ``value`` to ``shape`` with NumPy rules
   and raises ``ValueError`` naming both shapes when it cannot.
@@ -18,9 +17,9 @@ Contract:
 
   - ``seed=`` / ``key=``: every call returns the same values (Keras 3 behaviour for an
     int seed).
-  - neither: the key comes from :func:`paramstore.random.next_key` *at call time*, i.e.
-    from the global seed and the name of the variable being created (see
-    :mod:`paramstore.random`).
+  - neither: the key comes from :func:`paramstore.random.next_key` *at call time*: from
+    the global seed and the name of the variable being created, or, outside a variable's
+    initializer, from the global generator (see :mod:`paramstore.random`).
 
 * Defaults and formulas are Keras 3's. Fans follow Keras' ``compute_fans``: 0-D shapes
   have ``fan_in = fan_out = 1``, 1-D shapes ``fan_in = fan_out = shape[0]``, and N-D
@@ -89,8 +88,7 @@ def _shape(shape: Shape) -> tuple[int, ...]:
 
 def _deterministic(name: str, fill: Callable[[tuple[int, ...], Any], jax.Array]) -> Initializer:
     def init(shape: Shape, dtype: DTypeLike = jnp.float32) -> jax.Array:
-        with jax.ensure_compile_time_eval():
-            return fill(_shape(shape), jnp.dtype(dtype))
+        return fill(_shape(shape), jnp.dtype(dtype))
 
     init.__qualname__ = init.__name__ = name
     return init
@@ -113,16 +111,15 @@ def _random(
             raise ValueError(
                 f"{name} initializer needs a shape of rank >= {min_rank}, got {shape_}."
             )
-        with jax.ensure_compile_time_eval():
-            if math.prod(shape_) == 0:
-                return jnp.zeros(shape_, dtype_)
-            if key is not None:
-                k = jnp.asarray(key)
-            elif seed is not None:
-                k = jax.random.key(int(seed))
-            else:
-                k = _psrandom.next_key()
-            return draw(k, shape_, dtype_)
+        if math.prod(shape_) == 0:
+            return jnp.zeros(shape_, dtype_)
+        if key is not None:
+            k = jnp.asarray(key)
+        elif seed is not None:
+            k = jax.random.key(int(seed))
+        else:
+            k = _psrandom.next_key()
+        return draw(k, shape_, dtype_)
 
     init.__qualname__ = init.__name__ = name
     return init

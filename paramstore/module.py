@@ -28,6 +28,8 @@ from typing import Any
 import jax
 
 from paramstore import scope as _scope
+from paramstore._context import Scope, ctx, prefixed
+from paramstore._store import default_store
 from paramstore.variable import Variable
 
 __all__ = ["Module"]
@@ -112,18 +114,17 @@ class Module:
                 self._rename(name)
             return
         base = name or _camel_to_snake(type(self).__name__)
-        store = _scope.default_store()
         self._module_name = base
-        self._scope_name = store.unique_name(_scope.prefixed(base))
+        self._scope_name = default_store().unique_name(prefixed(base))
 
     def _rename(self, name: str) -> None:
         old = self._scope_name
         parent = old.rpartition("/")[0]
-        new = _scope.default_store().unique_name(f"{parent}/{name}" if parent else name)
+        new = default_store().unique_name(f"{parent}/{name}" if parent else name)
         self._module_name, self._scope_name = name, new
-        stack = _scope._scopes()
-        if stack and stack[-1] == _scope._Scope(old, True, None):  # inside our own scope
-            stack[-1] = _scope._Scope(new, True, None)
+        stack = ctx.scopes
+        if stack and stack[-1] == Scope(old, True, None):  # inside our own scope
+            stack[-1] = Scope(new, True, None)
 
     @property
     def name(self) -> str:

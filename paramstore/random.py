@@ -1,93 +1,137 @@
-"""Seeds and PRNG keys for initialization.
+"""Randomness as state: ``ps.random.Generator``, ``next_key`` and ``set_seed``.
 
-Contract:
+Contract (API.md, "Initializers and randomness"):
 
-* ``set_seed(seed)`` makes initialization reproducible run to run. Without it, the
-  global seed is drawn from the OS at import, as TensorFlow does.
-* Better than TensorFlow: a variable's initial value is drawn from a key derived from
-  the global seed **and the variable's full name** (``fold_in(key(seed), crc32(name))``),
-  not from a global op counter. Adding a layer to a model therefore leaves the initial
-  values of every other layer unchanged. This applies whenever the initializer runs
-  while the variable's name is known: ``get_variable(..., initializer=...)`` and
-  ``Variable(callable, name=...)`` (the callable is called after the name is resolved).
-* An initializer called outside any variable (``glorot_normal()((3, 4))``) draws from a
-  counter-based key sequence, reset by ``set_seed``, so such programs are reproducible
-  too, but depend on the order of the calls.
-* An initializer built with an explicit ``seed=`` or ``key=`` ignores both and always
-  returns the same values.
+* ``Generator(seed)`` (also ``Generator.from_seed(seed)``) is a stateful key stream, as
+  ``tf.random.Generator``: its state is a non-trainable ``uint32`` Variable (``g.state``,
+  the key data of a ``jax.random`` key), so it is checkpointed with the model and threaded
+  through ``ps.function`` like any variable. ``g.key()`` splits the state, keeps one half
+  and returns the other; ``normal``/``uniform`` draw with a new key; ``split(n)`` makes
+  ``n`` independent generators. The same seed gives the same sequence; eagerly and inside
+  a ``ps.function``, every call draws new numbers (a compiled function reads and writes
+  the state like any variable, so it never repeats the numbers of its trace).
+* ``next_key()``: inside a variable's initializer, a key derived from the global seed and
+  the variable's full name (``paramstore._seed``: adding a layer leaves the other layers'
+  initial values unchanged); elsewhere a key from the *global generator*, which advances
+  inside ``ps.function`` calls too. The global generator is created on first use and lives
+  in no user store (``ps.Saver()`` does not save it; ``get_global_generator()`` returns it
+  for a ``ps.Checkpoint``).
+* ``set_seed(seed)`` sets the global seed and restarts the global generator from it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import zlib
-from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["set_seed", "get_seed", "next_key", "naming"]
+from paramstore import _seed, _trace
+from paramstore._context import STATE_LOCK
+from paramstore._seed import get_seed, naming
+from paramstore._store import VariableStore
+from paramstore.variable import Variable
 
-_lock = threading.Lock()
-_seed: int = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-_counter: int = 0
-_local = threading.local()
+__all__ = [
+    "Generator",
+    "get_global_generator",
+    "next_key",
+    "set_seed",
+    "get_seed",
+    "naming",
+]
 
-# Separate streams: keys for named variables and keys for anonymous draws never collide.
-_ANON_STREAM = 0x7FFF_FFFF
 
-
-def set_seed(seed: int) -> None:
-    """Set the global seed and restart the key sequences derived from it."""
-    global _seed, _counter
+def _check_seed(seed: Any, what: str) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"set_seed expects an int, got {type(seed).__name__}: {seed!r}.")
-    with _lock:
-        _seed = int(seed) & 0xFFFFFFFF
-        _counter = 0
+        raise TypeError(f"{what} expects an int seed, got {type(seed).__name__}: {seed!r}.")
+    return int(seed)
 
 
-def get_seed() -> int:
-    """The current global seed."""
-    return _seed
+def _key_data(seed: int) -> jax.Array:
+    with jax.ensure_compile_time_eval():  # concrete even while a function is traced
+        return jax.random.key_data(jax.random.key(seed & 0xFFFFFFFF))
 
 
-def _name_to_int(name: str) -> int:
-    return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
+class Generator:
+    """A stateful PRNG key stream whose state is a Variable (see the module docstring)."""
+
+    def __init__(self, seed: int | None = None, *, name: str = "generator", state: Any = None):
+        if state is None:
+            if seed is None:
+                seed = int.from_bytes(os.urandom(4), "little")
+            state = _key_data(_check_seed(seed, "ps.random.Generator"))
+        self.state = Variable(state, trainable=False, name=name)
+
+    @classmethod
+    def from_seed(cls, seed: int, name: str = "generator") -> Generator:
+        """A generator starting from ``seed`` (same as ``Generator(seed)``)."""
+        return cls(_check_seed(seed, "Generator.from_seed"), name=name)
+
+    def key(self) -> jax.Array:
+        """A new ``jax.random`` key; advances the state."""
+        with STATE_LOCK:  # eagerly: read and write as one step
+            new, out = jax.random.split(jax.random.wrap_key_data(self.state.value()))
+            self.state.assign(jax.random.key_data(new))
+        return out
+
+    def normal(
+        self,
+        shape: Sequence[int],
+        mean: float = 0.0,
+        stddev: float = 1.0,
+        dtype: Any = jnp.float32,
+    ) -> jax.Array:
+        """Normal samples of ``shape`` (``mean + stddev * N(0, 1)``)."""
+        return jax.random.normal(self.key(), tuple(shape), dtype) * stddev + mean
+
+    def uniform(
+        self,
+        shape: Sequence[int],
+        minval: float = 0.0,
+        maxval: float = 1.0,
+        dtype: Any = jnp.float32,
+    ) -> jax.Array:
+        """Uniform samples of ``shape`` in ``[minval, maxval)``."""
+        return jax.random.uniform(self.key(), tuple(shape), dtype, minval, maxval)
+
+    def split(self, count: int) -> list[Generator]:
+        """``count`` new, independent generators (advances this one's state once)."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"Generator.split expects a positive int count, got {count!r}.")
+        keys = jax.random.split(self.key(), count)
+        return [Generator(state=jax.random.key_data(k), name=self.state.name) for k in keys]
+
+    def __repr__(self) -> str:
+        return f"<ps.random.Generator state={self.state.name!r}>"
 
 
-@contextlib.contextmanager
-def naming(full_name: str) -> Iterator[None]:
-    """Within this block, ``next_key()`` derives keys from ``full_name``.
+_global: Generator | None = None
+_global_lock = threading.Lock()
 
-    Used by ``Variable`` and ``get_variable`` around the call of an initializer.
-    """
-    stack = getattr(_local, "names", None)
-    if stack is None:
-        stack = _local.names = []
-    stack.append([full_name, 0])
-    try:
-        yield
-    finally:
-        stack.pop()
+
+def get_global_generator() -> Generator:
+    """The generator behind ``next_key()`` (created on first use, in no user store)."""
+    global _global
+    if _global is None:
+        with _global_lock:
+            if _global is None:
+                with VariableStore(), _trace.no_frames():
+                    _global = Generator(get_seed(), name="global_generator")
+    return _global
 
 
 def next_key() -> jax.Array:
-    """A fresh PRNG key from the global seed (see the module docstring for the rule)."""
-    global _counter
-    stack = getattr(_local, "names", None)
-    with jax.ensure_compile_time_eval():
-        base = jax.random.key(_seed)
-        with _lock:
-            if stack:
-                # A variable re-created under the same name (in a fresh store, say) gets
-                # the same values; repeated draws inside one naming block differ.
-                entry = stack[-1]
-                draw = entry[1]
-                entry[1] = draw + 1
-                key = jax.random.fold_in(base, _name_to_int(entry[0]))
-                return jax.random.fold_in(key, draw) if draw else key
-            n = _counter
-            _counter += 1
-        return jax.random.fold_in(jax.random.fold_in(base, _ANON_STREAM), n)
+    """A new PRNG key (see the module docstring for where it comes from)."""
+    key = _seed.named_key()
+    return key if key is not None else get_global_generator().key()
+
+
+def set_seed(seed: int) -> None:
+    """Set the global seed (reproducible initialization) and restart the global generator."""
+    _seed.set_seed(seed)
+    if _global is not None:
+        _global.state.assign(_key_data(get_seed()))

@@ -21,18 +21,19 @@ Contract (API.md, "Names, scopes and sharing"), following TensorFlow 1 graphs:
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
-from collections.abc import Iterator, Sequence
+import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:
-    from paramstore.functional import State
-    from paramstore.variable import Variable
+from paramstore import initializers as _init
+from paramstore._context import Scope, ctx, prefixed
+from paramstore._dtypes import canonical_dtype
+from paramstore._store import VariableStore, default_store, preview_names
+from paramstore.variable import Variable
 
 __all__ = [
     "AUTO_REUSE",
@@ -42,6 +43,8 @@ __all__ = [
     "variable_scope",
     "get_variable",
     "default_store",
+    "preview_names",
+    "prefixed",
 ]
 
 
@@ -53,140 +56,10 @@ class _AutoReuse:
 AUTO_REUSE: Any = _AutoReuse()
 """``variable_scope(..., reuse=AUTO_REUSE)``: ``get_variable`` gets or creates."""
 
-_local = threading.local()
-
-
-@dataclass(frozen=True)
-class _Scope:
-    name: str
-    is_variable_scope: bool
-    reuse: Any  # None, True, or AUTO_REUSE (already combined with the enclosing scopes)
-
-
-def _scopes() -> list[_Scope]:
-    stack: list[_Scope] | None = getattr(_local, "scopes", None)
-    if stack is None:
-        stack = _local.scopes = []
-    return stack
-
-
-def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
-    """``name`` under the current scopes (all of them, or only the variable scopes)."""
-    parts = [
-        s.name for s in _scopes() if s.name and (s.is_variable_scope or not variable_scopes_only)
-    ]
-    return "/".join([*parts, name]) if parts else name
-
 
 def _current_reuse() -> Any:
-    stack = _scopes()
+    stack = ctx.scopes
     return stack[-1].reuse if stack else None
-
-
-class VariableStore:
-    """A namespace of variables: what ``get_variable`` shares and ``Saver()`` saves."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._taken: set[str] = set()
-        self._counts: dict[str, int] = {}
-        self._live: weakref.WeakValueDictionary[str, Variable] = weakref.WeakValueDictionary()
-        self._order: dict[str, int] = {}
-        self._shared: dict[str, Variable] = {}
-
-    # -- being the default
-    def __enter__(self) -> VariableStore:
-        _store_stack().append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        stack = _store_stack()
-        if stack and stack[-1] is self:
-            stack.pop()
-
-    # -- names
-    def unique_name(self, name: str, *, reserve: bool = True) -> str:
-        """``name``, or ``name_1``, ``name_2``... the first not yet taken in this store."""
-        with self._lock:
-            candidate = name
-            if name in self._taken:
-                # _counts[name] = k: name_1 ... name_k are all taken (names are never freed),
-                # so n variables of one name cost O(n), not O(n^2).
-                i = self._counts.get(name, 0) + 1
-                while f"{name}_{i}" in self._taken:
-                    i += 1
-                self._counts[name] = i - 1
-                candidate = f"{name}_{i}"
-            if reserve:
-                self._taken.add(candidate)
-            return candidate
-
-    def register(
-        self, var: Variable, name: str, *, exact: bool = False, base: str | None = None
-    ) -> str:
-        """Track ``var`` under ``name`` (from ``unique_name(base, reserve=False)``). If another
-        thread took it meanwhile, the next free name for ``base`` (``v_3``, not ``v_2_1``).
-        With ``exact``, ``name`` as given if no live variable has it."""
-        with self._lock:
-            if exact and name not in self._live:
-                full = name
-                self._taken.add(full)
-            elif name not in self._taken:
-                full = self.unique_name(name)
-            else:
-                full = self.unique_name(base or name)
-            self._live[full] = var
-            self._order[full] = len(self._order)
-            return full
-
-    def _share(self, var: Variable) -> None:
-        with self._lock:
-            self._shared[var.name] = var
-
-    def _forget(self, var: Variable) -> None:
-        with self._lock:
-            self._shared.pop(var.name, None)
-            self._live.pop(var.name, None)
-
-    def get(self, name: str) -> Variable | None:
-        """The live variable of this full name, or None."""
-        return self._live.get(name)
-
-    # -- contents
-    def variables(self) -> list[Variable]:
-        """The live variables, in creation order."""
-        with self._lock:
-            items = list(self._live.items())
-        items.sort(key=lambda kv: self._order[kv[0]])
-        return [v for _, v in items]
-
-    def trainable_variables(self) -> list[Variable]:
-        return [v for v in self.variables() if v.trainable]
-
-    def state(self) -> State:
-        """An immutable ``{full_name: jax.Array}`` mapping (a pytree) of the live variables."""
-        from paramstore.functional import state
-
-        return state(self)  # string variables are host data: ps.state leaves them out
-
-    def __repr__(self) -> str:
-        return f"<ps.VariableStore with {len(self._live)} live variables>"
-
-
-def _store_stack() -> list[VariableStore]:
-    stack: list[VariableStore] | None = getattr(_local, "stores", None)
-    if stack is None:
-        stack = _local.stores = []
-    return stack
-
-
-_DEFAULT_STORE = VariableStore()
-
-
-def default_store() -> VariableStore:
-    """The store new variables go to: the innermost ``with VariableStore()``, else the global."""
-    stack = getattr(_local, "stores", None)
-    return stack[-1] if stack else _DEFAULT_STORE
 
 
 @contextlib.contextmanager
@@ -195,8 +68,8 @@ def name_scope(name: str) -> Iterator[str]:
     if not isinstance(name, str):
         raise TypeError(f"name_scope expects a str, got {type(name).__name__}.")
     name = name.strip("/")
-    stack = _scopes()
-    stack.append(_Scope(name, False, _current_reuse()))
+    stack = ctx.scopes
+    stack.append(Scope(name, False, _current_reuse()))
     try:
         yield prefixed("")
     finally:
@@ -208,12 +81,12 @@ def _absolute_scope(full: str) -> Iterator[None]:
     """Enter ``full`` as the whole prefix (used by ``Module.name_scope``)."""
     # Restore the very list that was current: enclosing name_scope/variable_scope blocks
     # pop from that list object when they exit.
-    saved = _scopes()
-    _local.scopes = [_Scope(full, True, None)] if full else []
+    saved = ctx.scopes
+    ctx.scopes = [Scope(full, True, None)] if full else []
     try:
         yield
     finally:
-        _local.scopes = saved
+        ctx.scopes = saved
 
 
 @dataclass(frozen=True)
@@ -239,8 +112,8 @@ def variable_scope(name: str, reuse: Any = None) -> Iterator[VariableScope]:
     effective = outer if outer in (True, AUTO_REUSE) else (reuse or None)
     if outer is AUTO_REUSE and reuse is True:
         effective = True
-    stack = _scopes()
-    stack.append(_Scope(name.strip("/"), True, effective))
+    stack = ctx.scopes
+    stack.append(Scope(name.strip("/"), True, effective))
     try:
         yield VariableScope(prefixed("", variable_scopes_only=True).rstrip("/"), effective)
     finally:
@@ -258,73 +131,91 @@ def get_variable(
 
     ``initializer`` is an initializer (``init(shape, dtype)``), a concrete value (then
     ``shape`` may be omitted), or None: glorot_uniform for floating dtypes, zeros otherwise.
+    Getting or creating is atomic: threads racing on one name under ``AUTO_REUSE`` get one
+    variable. An initializer whose result has another shape than ``shape`` is a
+    ``ValueError`` (and no variable is made).
     """
-    from paramstore import initializers as _init
-    from paramstore.variable import Variable, _canonical_dtype
-
+    if not isinstance(name, str) or not name:
+        raise TypeError(
+            f"get_variable expects a non-empty str name, got {type(name).__name__} {name!r}."
+        )
     store = default_store()
     full = prefixed(name, variable_scopes_only=True)
     reuse = _current_reuse()
-    dt = _canonical_dtype(dtype, f"variable '{full}'")
-    existing = store.get(full)
-    if reuse is True or (reuse is AUTO_REUSE and existing is not None):
-        if existing is None:
+    dt = canonical_dtype(dtype, f"variable '{full}'")
+    shp = None if shape is None else _as_shape(shape, full)
+    with store._lock:  # get-or-create as one step
+        existing = store.get(full)
+        if reuse is True or (reuse is AUTO_REUSE and existing is not None):
+            if existing is None:
+                raise ValueError(
+                    f"Variable {full} does not exist, or was not created with get_variable(); "
+                    "reuse=True only returns existing variables. Create it first, or use "
+                    "reuse=ps.AUTO_REUSE to get or create."
+                )
+            _check_matches(existing, full, shp, dt, initializer)
+            return existing
+        if existing is not None:
             raise ValueError(
-                f"Variable {full} does not exist, or was not created with get_variable(); "
-                "reuse=True only returns existing variables. Create it first, or use "
-                "reuse=ps.AUTO_REUSE to get or create."
+                f"Variable {full} already exists, disallowed. Did you mean to set reuse=True "
+                "or reuse=ps.AUTO_REUSE in variable_scope?"
             )
-        _check_matches(existing, full, shape, dt, initializer)
-        return existing
-    if existing is not None:
-        raise ValueError(
-            f"Variable {full} already exists, disallowed. Did you mean to set reuse=True or "
-            "reuse=ps.AUTO_REUSE in variable_scope?"
-        )
+        var = _create(full, shp, dt, initializer, trainable)
+        store._share(var)
+        return var
+
+
+def _create(full: str, shp: tuple[int, ...] | None, dt: Any, initializer: Any, trainable: bool) -> Variable:
     if initializer is None or isinstance(initializer, type):
-        if shape is None:
+        if shp is None:
             raise ValueError(f"get_variable('{full}') needs a shape (or a concrete initializer).")
         initializer = _init.glorot_uniform() if dt.kind in "fc" else _init.zeros()
     if callable(initializer):
-        if shape is None:
+        if shp is None:
             raise ValueError(f"get_variable('{full}') with an initializer function needs a shape.")
-        shp = _as_shape(shape)
-        init = initializer
+        init, want = initializer, shp
 
         def initial() -> Any:
-            return init(shp, dt)
+            value = init(want, dt)
+            if tuple(np.shape(value)) != want:
+                raise ValueError(
+                    f"get_variable('{full}'): the initializer returned shape "
+                    f"{tuple(np.shape(value))}, but the variable's shape is {want}."
+                )
+            return value
 
-        var = Variable(initial, trainable=trainable, name=None, dtype=dt, _full_name=full)
-    else:
-        value = np.asarray(initializer) if not hasattr(initializer, "dtype") else initializer
-        if shape is not None and tuple(value.shape) != _as_shape(shape):
-            raise ValueError(
-                f"get_variable('{full}'): the initializer's shape {tuple(value.shape)} does "
-                f"not match shape {_as_shape(shape)}."
-            )
-        var = Variable(value, trainable=trainable, dtype=dt, _full_name=full)
-    store._share(var)
-    return var
-
-
-def preview_names(names: Sequence[str], limit: int = 10) -> str:
-    """``'a', 'b' and 3 more`` for error messages (``none`` for no names)."""
-    shown = ", ".join(f"'{n}'" for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "") or "none"
-
-
-def _as_shape(shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, int):
-        return (shape,)
-    return tuple(int(d) for d in shape)
-
-
-def _check_matches(var: Variable, full: str, shape: Any, dt: np.dtype, init: Any) -> None:
-    if shape is None and init is not None and not callable(init):
-        shape = np.shape(init)
-    if shape is not None and _as_shape(shape) != var.shape:
+        return Variable(initial, trainable=trainable, dtype=dt, _full_name=full)
+    value = np.asarray(initializer) if not hasattr(initializer, "dtype") else initializer
+    if shp is not None and tuple(value.shape) != shp:
         raise ValueError(
-            f"Trying to share variable {full}, but specified shape {_as_shape(shape)} and "
+            f"get_variable('{full}'): the initializer's shape {tuple(value.shape)} does "
+            f"not match shape {shp}."
+        )
+    return Variable(value, trainable=trainable, dtype=dt, _full_name=full)
+
+
+def _as_shape(shape: Any, full: str) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int | np.integer) else shape
+    try:
+        out = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(
+            f"get_variable('{full}'): shape must be an int or a sequence of ints, got "
+            f"{shape!r}."
+        ) from None
+    if any(d < 0 for d in out):
+        raise ValueError(f"get_variable('{full}'): shape {out} has a negative dimension.")
+    return out
+
+
+def _check_matches(
+    var: Variable, full: str, shape: tuple[int, ...] | None, dt: np.dtype, init: Any
+) -> None:
+    if shape is None and init is not None and not callable(init):
+        shape = tuple(np.shape(init))
+    if shape is not None and shape != var.shape:
+        raise ValueError(
+            f"Trying to share variable {full}, but specified shape {shape} and "
             f"found shape {var.shape}."
         )
     if dt != var.dtype:

@@ -227,23 +227,31 @@ def test_creating_variables_on_a_non_first_trace_raises_and_changes_nothing(_fre
     assert f.trace_count == 1
 
 
-def test_initial_value_from_a_traced_value_is_a_clear_error(_fresh_store):
+def test_initial_value_depending_on_argument_values_is_a_clear_error(_fresh_store):
     @ps.function
     def f(x):
         return ps.Variable(x * 2, name="bad").value()
 
-    with pytest.raises(ValueError, match="initial value of variable 'bad' is a traced value"):
+    with pytest.raises(ValueError, match=r"'bad'.*depends on the values of the function's"):
         f(1.0)
     assert _fresh_store.variables() == []
     assert f.trace_count == 0
 
-    @ps.function
-    def g(x):  # computed in the trace body, not from the argument: still traced
-        return ps.Variable(jnp.zeros(3), name="zeros").value()
 
-    with pytest.raises(ValueError, match=r"pass a callable, e\.g\. ps\.Variable\(lambda"):
-        g(1.0)
-    assert _fresh_store.variables() == []
+def test_initial_value_computed_in_the_trace_from_shapes(_fresh_store):
+    @ps.function
+    def g(x):
+        v = ps.Variable(jnp.full((x.shape[0],), 2.0), name="twos")
+        v.assign_add(x)
+        return v.value()
+
+    out = g(jnp.arange(3.0))
+    np.testing.assert_allclose(out, [2.0, 3.0, 4.0])
+    (v,) = _fresh_store.variables()
+    np.testing.assert_allclose(v.numpy(), [2.0, 3.0, 4.0])
+    # later calls use the variable's state, not the initial value
+    np.testing.assert_allclose(g(jnp.arange(3.0)), [2.0, 4.0, 6.0])
+    assert g.trace_count == 1 and len(_fresh_store.variables()) == 1
 
 
 def test_initializer_variable_inside_first_trace_is_concrete():

@@ -157,8 +157,8 @@ def test_64bit_dtype_without_x64_is_a_clear_type_error(fresh_store):
 
 
 @pytest.mark.parametrize("args", [(), (None,)])
-def test_no_initial_value_raises_value_error(fresh_store, args):
-    with pytest.raises(ValueError, match="initial_value"):
+def test_no_initial_value_raises_type_error(fresh_store, args):
+    with pytest.raises(TypeError, match="missing required argument 'initial_value'"):
         ps.Variable(*args)
     assert fresh_store.variables() == []
 

@@ -1,0 +1,56 @@
+"""The one thread-local context: every per-thread stack paramstore keeps lives here.
+
+* ``frames``: active binding frames (``ps.function`` traces, ``ps.pure``, gradients).
+* ``scopes``: ``name_scope`` / ``variable_scope`` / module scopes, innermost last.
+* ``stores``: ``with ps.VariableStore():`` blocks, innermost last.
+* ``placements``: ``with ps.device(...):`` blocks, innermost last.
+* ``names``: variables whose initializer is running, for name-derived PRNG keys.
+
+Each thread starts with empty stacks (as TensorFlow's graph and device stacks do).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK"]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One entered scope: its name, whether it is a variable scope, and the reuse mode in
+    force inside it (already combined with the enclosing scopes)."""
+
+    name: str
+    is_variable_scope: bool
+    reuse: Any
+
+
+class _Context(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+        self.scopes: list[Scope] = []
+        self.stores: list[Any] = []
+        self.placements: list[Any] = []
+        self.names: list[list[Any]] = []
+
+
+ctx = _Context()
+
+
+def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
+    """``name`` under the current scopes (all of them, or only the variable scopes)."""
+    parts = [
+        s.name
+        for s in ctx.scopes
+        if s.name and (s.is_variable_scope or not variable_scopes_only)
+    ]
+    return "/".join([*parts, name]) if parts else name
+
+
+# The state lock: every write of a variable's array, and each ps.function call (gather,
+# dispatch, swap), holds it, so each is atomic with respect to the variables it touches.
+# Re-entrant: a write path may call another.
+STATE_LOCK = threading.RLock()

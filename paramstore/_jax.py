@@ -1,0 +1,154 @@
+"""The JAX internals paramstore relies on, in one place (written against jax 0.10).
+
+* ``current_trace()``: the trace that new operations go to (``core.trace_ctx.trace``);
+  ``EVAL`` is the eager one. Reading it costs ~150 ns, so hot paths compare identity.
+* ``staging(trace)``: whether ``trace`` records a program to run later (``jax.jit``,
+  ``make_jaxpr``, a control-flow body), looking through ``grad``/``vmap`` traces on top of
+  it. A value read there and not passed in as an input would be baked in as a constant.
+* ``ref_in(trace, value)``: a ``jax.new_ref`` created in ``trace`` (an enclosing one), so
+  that nested bodies close over it and their writes are ordinary ref effects.
+* ``tracer_in(trace, const)``: ``const`` as a tracer of a ``make_jaxpr`` trace, recorded as
+  a constant of the jaxpr (which ``ps.function`` then lifts to an input).
+
+It also fixes one bug of jax 0.10's state discharge: a ref that a ``while_loop``'s
+``cond_fun`` reads and its ``body_fun`` writes got two separate loop carries, so the
+condition saw the initial value forever (``while c < n: c += 1`` never ended). The rule
+registered here gives each distinct ref one carry that both functions use; loops whose
+condition reads no ref (or writes one) still go to JAX's own rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax.control_flow import loops as _loops
+from jax._src.state import discharge as _discharge
+from jax._src.state.types import AbstractRef, WriteEffect
+
+__all__ = [
+    "EVAL",
+    "Tracer",
+    "current_trace",
+    "staging",
+    "ref_in",
+    "tracer_in",
+    "trace_of",
+    "ConcretizationError",
+]
+
+Tracer = jax.core.Tracer
+ConcretizationError = jax.errors.ConcretizationTypeError
+EVAL = _core.eval_trace
+_STRONG = _core.trace_state_strong_ref
+_STAGING = _pe.DynamicJaxprTrace
+
+
+def current_trace() -> Any:
+    """The trace new operations go to (``EVAL`` when nothing is being traced)."""
+    return _STRONG.value
+
+
+def staging(trace: Any) -> bool:
+    """Whether ``trace`` (or the trace it forwards to) records a program for later."""
+    while trace is not None and trace is not EVAL:
+        if isinstance(trace, _STAGING):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def trace_of(x: Any) -> Any:
+    """The trace a tracer belongs to (None for a concrete value)."""
+    return getattr(x, "_trace", None) if isinstance(x, Tracer) else None
+
+
+def ref_in(trace: Any, value: Any) -> Any:
+    """``jax.new_ref(value)`` created in ``trace`` rather than the current trace."""
+    with _core.set_current_trace(trace):
+        return jax.new_ref(value)
+
+
+def tracer_in(trace: Any, const: Any) -> Any:
+    """``const`` as a tracer of the staging ``trace``: a constant of its jaxpr."""
+    return trace.to_jaxpr_tracer(const, _source_info.current())
+
+
+# ------------------------------------------------------- while_loop state discharge fix
+
+_jax_while_rule = _discharge._partial_discharge_rules[_loops.while_p]
+
+
+def _while_rule(
+    should_discharge: Any,
+    in_avals: Any,
+    out_avals: Any,
+    *args: Any,
+    cond_jaxpr: Any,
+    body_jaxpr: Any,
+    cond_nconsts: int,
+    body_nconsts: int,
+) -> tuple[list[Any], list[Any]]:
+    n_consts = cond_nconsts + body_nconsts
+    is_ref = [isinstance(a, AbstractRef) and s for a, s in zip(in_avals, should_discharge)]
+    cond_writes = any(isinstance(e, WriteEffect) for e in _core.positional_effects(cond_jaxpr))
+    if not any(is_ref[:cond_nconsts]) or any(is_ref[n_consts:]) or cond_writes:
+        return _jax_while_rule(  # type: ignore[no-any-return]
+            should_discharge,
+            in_avals,
+            out_avals,
+            *args,
+            cond_jaxpr=cond_jaxpr,
+            body_jaxpr=body_jaxpr,
+            cond_nconsts=cond_nconsts,
+            body_nconsts=body_nconsts,
+        )
+    # One carry slot per distinct ref: the same jaxpr variable has the same aval object
+    # (JAX's own rule identifies refs this way) and the same value.
+    slot: list[int] = []
+    firsts: list[int] = []
+    for i in range(n_consts):
+        if not is_ref[i]:
+            slot.append(-1)
+            continue
+        same = [k for k, j in enumerate(firsts) if in_avals[j] is in_avals[i] and args[j] is args[i]]
+        slot.append(same[0] if same else len(firsts))
+        if not same:
+            firsts.append(i)
+    n_carry = len(args) - n_consts
+    carry_flags = [False] * n_carry
+    cond = _discharge.discharge_state(
+        cond_jaxpr, should_discharge=[*is_ref[:cond_nconsts], *carry_flags]
+    )
+    body = _discharge.discharge_state(
+        body_jaxpr, should_discharge=[*is_ref[cond_nconsts:n_consts], *carry_flags]
+    )
+    body_refs = [i for i in range(cond_nconsts, n_consts) if is_ref[i]]
+
+    def consts(lo: int, hi: int, refs: list[Any]) -> list[Any]:
+        return [refs[slot[i]] if is_ref[i] else args[i] for i in range(lo, hi)]
+
+    def cond_fun(state: tuple[list[Any], list[Any]]) -> Any:
+        refs, carry = state
+        return _core.eval_jaxpr(cond.jaxpr, cond.consts, *consts(0, cond_nconsts, refs), *carry)[0]
+
+    def body_fun(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+        refs, carry = state
+        outs = _core.eval_jaxpr(
+            body.jaxpr, body.consts, *consts(cond_nconsts, n_consts, refs), *carry
+        )
+        refs = list(refs)
+        for i, x in zip(body_refs, outs[n_carry:]):
+            refs[slot[i]] = x
+        return refs, list(outs[:n_carry])
+
+    init = ([args[j] for j in firsts], list(args[n_consts:]))
+    refs, carry = jax.lax.while_loop(cond_fun, body_fun, init)
+    new = [refs[slot[i]] if is_ref[i] else None for i in range(n_consts)]
+    return [*new, *[None] * n_carry], carry
+
+
+_discharge.register_partial_discharge_rule(_loops.while_p)(_while_rule)
