@@ -343,8 +343,7 @@ def test_name_derived_keys():
     ],
 )
 @pytest.mark.parametrize("shape", [(200, 300), (3, 3, 32, 64), (5000,)])
-def test_matches_keras_distribution(name, keras_name, kwargs, shape):
-    tf = pytest.importorskip("tensorflow")
+def test_matches_keras_distribution(tf, name, keras_name, kwargs, shape):
     if name == "orthogonal" and len(shape) < 2:
         pytest.skip("orthogonal needs rank >= 2")
     theirs = np.asarray(getattr(tf.keras.initializers, keras_name)(seed=0, **kwargs)(shape))

@@ -72,14 +72,12 @@ def test_dtype_inference_follows_tensorflow(value, dtype, shape):
 
 @pytest.mark.tf
 @pytest.mark.parametrize("value", [3.14, 7, [1, 2, 3], [True, False], [[1.0, 2.0]], -5, 0.5])
-def test_dtype_inference_matches_tensorflow_oracle(value):
-    tf = pytest.importorskip("tensorflow")
+def test_dtype_inference_matches_tensorflow_oracle(tf, value):
     assert ps.Variable(value).dtype == np.dtype(tf.Variable(value).dtype.as_numpy_dtype)
 
 
 @pytest.mark.tf
-def test_repr_and_errors_match_tensorflow_oracle():
-    tf = pytest.importorskip("tensorflow")
+def test_repr_and_errors_match_tensorflow_oracle(tf):
     for value in ([1, 2, 3], 1.5, [[True, False]]):
         t = tf.Variable(value, name="name")
         p = ps.Variable(value, name="name")
