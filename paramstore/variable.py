@@ -411,7 +411,10 @@ class Variable(_ArrayOps):
         if not getattr(value, "is_fully_addressable", True) and not value.is_fully_replicated:
             # sharded over several processes: no process can show the whole value
             return f"{head}, sharded over {len(value.sharding.device_set)} devices>"
-        return f"{head}, numpy={np.asarray(value)!r}>"
+        array = np.asarray(value)
+        # As TensorFlow: a 0-d value prints as the Python scalar (numpy=1.5, not array(1.5, ...)).
+        text = repr(array.item()) if array.ndim == 0 else repr(array)
+        return f"{head}, numpy={text}>"
 
     def _dtype_name(self) -> str:
         return "string" if self._is_string else self._dtype.name
