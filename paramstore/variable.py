@@ -371,9 +371,10 @@ class Variable(_ArrayOps):
             return f"{head}, sharded over {len(value.sharding.device_set)} devices>"
         if is_key_dtype(self._dtype):
             return f"{head}, key_data={np.asarray(jax.random.key_data(value))!r}>"
-        arr = np.asarray(value)
-        shown = repr(arr.item()) if arr.ndim == 0 and not self._is_string else repr(arr)
-        return f"{head}, numpy={shown}>"
+        array = np.asarray(value)
+        # As TensorFlow: a 0-d value prints as the Python scalar (numpy=1.5, not array(1.5, ...)).
+        text = repr(array.item()) if array.ndim == 0 and not self._is_string else repr(array)
+        return f"{head}, numpy={text}>"
 
     def _dtype_name(self) -> str:
         return "string" if self._is_string else str(self._dtype)

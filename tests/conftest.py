@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 
 import paramstore as ps
@@ -13,3 +16,18 @@ def fresh_store():
     ps.random.set_seed(0)
     with ps.VariableStore() as store:
         yield store
+
+
+@pytest.fixture(scope="session")
+def tf():
+    """TensorFlow, the oracle of the tests marked ``tf`` (they skip without it).
+
+    Imported once per process, then ``gc.freeze()``: TF's import adds ~330,000 long-lived
+    objects that every later full collection would walk again (and JAX runs its own collection
+    on each), slowing every test that follows in the same worker. Frozen, they are skipped.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # no C++ banner about CPU features
+    module = pytest.importorskip("tensorflow")
+    gc.collect()
+    gc.freeze()
+    return module

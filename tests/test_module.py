@@ -83,9 +83,7 @@ def test_order_is_tf_modules():
 
 
 @pytest.mark.tf
-def test_order_matches_tf_module_oracle():
-    tf = pytest.importorskip("tensorflow")
-
+def test_order_matches_tf_module_oracle(tf):
     def tf_var(tag, trainable=True):
         return tf.Variable(0.0, name=tag, trainable=trainable)
 

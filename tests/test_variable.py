@@ -72,18 +72,19 @@ def test_dtype_inference_follows_tensorflow(value, dtype, shape):
 
 @pytest.mark.tf
 @pytest.mark.parametrize("value", [3.14, 7, [1, 2, 3], [True, False], [[1.0, 2.0]], -5, 0.5])
-def test_dtype_inference_matches_tensorflow_oracle(value):
-    tf = pytest.importorskip("tensorflow")
+def test_dtype_inference_matches_tensorflow_oracle(tf, value):
     assert ps.Variable(value).dtype == np.dtype(tf.Variable(value).dtype.as_numpy_dtype)
 
 
 @pytest.mark.tf
-def test_repr_and_errors_match_tensorflow_oracle():
-    tf = pytest.importorskip("tensorflow")
-    for value in ([1, 2, 3], 1.5, [[True, False]]):
+def test_repr_and_errors_match_tensorflow_oracle(tf):
+    # Scalars print as the Python value (numpy=1.5; 0.1 as float32 is 0.10000000149011612).
+    for value in ([1, 2, 3], 1.5, 7, True, 0.1, -5, [[True, False]]):
         t = tf.Variable(value, name="name")
-        p = ps.Variable(value, name="name")
+        with ps.VariableStore():  # a fresh store: the name stays 'name', not 'name_1'
+            p = ps.Variable(value, name="name")
         expected = repr(t).replace("<tf.Variable 'name:0'", "<ps.Variable 'name'")
+        assert expected.startswith("<ps.Variable 'name'")  # the replace did replace
         assert repr(p) == expected
     with pytest.raises(ValueError):
         tf.Variable([1.0, 2.0]).assign([1.0, 2.0, 3.0])
@@ -665,7 +666,8 @@ def test_repr_is_exactly_tensorflow_like():
         == "<ps.Variable 'name' shape=(3,) dtype=int32, numpy=array([1, 2, 3], dtype=int32)>"
     )
     s = ps.Variable(1.5, name="s")
-    assert repr(s) == "<ps.Variable 's' shape=() dtype=float32, numpy=array(1.5, dtype=float32)>"
+    assert repr(s) == "<ps.Variable 's' shape=() dtype=float32, numpy=1.5>"  # 0-d: as TF
+    assert repr(ps.Variable(7, name="i")) == "<ps.Variable 'i' shape=() dtype=int32, numpy=7>"
     v.assign([4, 5, 6])
     assert (
         repr(v)
