@@ -259,6 +259,7 @@ def train(
             desc="training",
             unit="step",
             disable=not config.progress,
+            mininterval=2.0,
             file=bar_file if bar_file is not None else sys.stderr,
         )
         done = 0
