@@ -1,9 +1,10 @@
 """paramstore: TensorFlow-style stateful Variables for JAX, compiled with ``jax.jit``.
 
-See ``API.md`` for the contract; each module's docstring states its part of it.
+See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, random
+from paramstore import checkpoint, initializers, nn, random
+from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.function import Function, function
 from paramstore.functional import State, grad, pure, state, update, value_and_grad
@@ -42,9 +43,11 @@ __all__ = [
     "grad",
     "initializers",
     "name_scope",
+    "nn",
     "pure",
     "random",
     "state",
+    "summary",
     "update",
     "value_and_grad",
     "variable_scope",

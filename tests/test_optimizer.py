@@ -491,3 +491,93 @@ def test_optimizer_state_checkpoints_and_training_resumes_exactly(tmp_path):
             step2()
         for a, b in zip(want, snapshot(m2.variables, opt2.variables), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------- masks and labels by name
+
+
+class Net(ps.Module):
+    def __init__(self, name: str | None = None):
+        self.dense = ps.nn.Dense(3)
+        self.dense(X)  # built: dense/kernel (4, 3), dense/bias (3,)
+
+
+def test_module_params_reach_optax_keyed_by_name():
+    m = Net()
+    seen = []
+
+    def mask(params):
+        seen.append(sorted(params))
+        return {k: not k.endswith("bias") for k in params}
+
+    m.dense.bias.assign(B0)
+    m.dense.kernel.assign(W0)
+    opt = ps.Optimizer(optax.adamw(0.0, weight_decay=0.5, mask=mask), m)
+    opt.apply_gradients([jnp.zeros(3), jnp.zeros((4, 3))])  # a tuple, in module order
+    assert seen[0] == ["net/dense/bias", "net/dense/kernel"]
+    # learning rate 0: only decay could move them, and the mask keeps it off the bias
+    np.testing.assert_array_equal(m.dense.bias.numpy(), B0)
+    np.testing.assert_allclose(m.dense.kernel.numpy(), W0, rtol=1e-6)
+    # with a real learning rate the kernel decays, the bias does not
+    opt2 = ps.Optimizer(
+        optax.adamw(0.1, weight_decay=0.5, mask=ps.Optimizer.by_name(lambda n: "kernel" in n)), m
+    )
+    zeros = {"net/dense/bias": jnp.zeros(3), "net/dense/kernel": jnp.zeros((4, 3))}
+    opt2.apply_gradients(zeros)  # a dict keyed by names works for a Module too
+    np.testing.assert_array_equal(m.dense.bias.numpy(), B0)
+    np.testing.assert_allclose(m.dense.kernel.numpy(), W0 * (1 - 0.1 * 0.5), rtol=1e-6)
+    names = {v.name for v in opt2.variables}
+    assert {"optimizer_1/net/dense/kernel/mu", "optimizer_1/net/dense/bias/nu"} <= names
+
+
+def test_multi_transform_labels_by_name_inside_function():
+    m = Net()
+    labels = ps.Optimizer.by_name(lambda n: "frozen" if n.endswith("bias") else "train")
+    opt = ps.Optimizer(
+        optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels), m
+    )
+    bias0 = m.dense.bias.numpy()
+
+    @ps.function
+    def step():
+        opt.apply_gradients(ps.grad(lambda: jnp.mean((m.dense(X) - Y) ** 2), m)())
+
+    kernel0 = m.dense.kernel.numpy()
+    step()
+    step()
+    np.testing.assert_array_equal(m.dense.bias.numpy(), bias0)
+    assert not np.allclose(m.dense.kernel.numpy(), kernel0)
+    with pytest.raises(TypeError, match="keyed by name"):
+        ps.Optimizer(optax.adamw(0.1, mask=labels), [m.dense.kernel])
+
+
+# ------------------------------------------------------------------ more bad input
+
+
+def test_name_that_is_not_a_string_creates_nothing():
+    w = ps.Variable(W0, name="w")
+    with pytest.raises(TypeError, match="name must be a str.*int 3"):
+        ps.Optimizer(optax.adam(0.1), [w], name=3)  # type: ignore[arg-type]
+    opt = ps.Optimizer(optax.adam(0.1), [w])
+    assert opt.iterations.name == "optimizer/iterations"  # no scope was taken by the failure
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_complex_gradient_for_a_real_variable_raises_and_changes_nothing(trained, mode):
+    w, b, opt = trained
+    before = snapshot([w, b], opt.variables)
+    bad = [jnp.ones((4, 3), jnp.complex64), jnp.ones(3)]
+
+    def apply():
+        opt.apply_gradients(bad)
+
+    with pytest.raises(
+        TypeError, match=r"gradient for variable 'w' is complex \(complex64\).*real \(float32\)"
+    ):
+        (ps.function(apply) if mode == "function" else apply)()
+    assert_unchanged(before, [w, b], opt.variables)
+    # a complex variable takes complex gradients
+    z = ps.Variable(np.ones(2, np.complex64), name="z")
+    zopt = ps.Optimizer(optax.sgd(0.5), [z])
+    zopt.apply_gradients([jnp.asarray([1j, 2.0], jnp.complex64)])
+    np.testing.assert_allclose(z.numpy(), [1 - 0.5j, 0.0])

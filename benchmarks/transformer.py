@@ -1,0 +1,255 @@
+"""The transformer LM training step: ``ps.function`` + ``ps.nn`` against hand-written JAX.
+
+Run: ``python benchmarks/transformer.py`` (``--quick`` for a short run, ``--config gpu``
+for a compute-bound model on an accelerator).
+
+Rows, all measured in one run, variants taking turns within each repeat (medians of
+``--repeats`` repeats of ``--steps`` steps, blocking on the last loss of each repeat):
+
+* ``jax.jit`` (reference): the same model (examples/transformer.py) written by hand in pure
+  JAX over a params pytree, the same optax chain, ``donate_argnums`` on params and state,
+  dropout keys passed in; same initial weights and data.
+* ``ps.function``: ``examples/transformer.py``'s own step (ps.nn model, ``ps.Optimizer``).
+* fused rows: K steps in one call, by ``jax.lax.scan`` (hand-written, and the example's
+  ``ps.function`` whose scan body calls ``opt.apply_gradients``); tokens/s.
+  The ``ps.function`` fused row needs variables assigned inside ``lax.scan`` (issue 9):
+  without that it prints ``n/a (needs core)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import paramstore as ps
+
+_PATH = Path(__file__).resolve().parent.parent / "examples" / "transformer.py"
+_spec = importlib.util.spec_from_file_location("transformer_example", _PATH)
+assert _spec is not None and _spec.loader is not None
+ex = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ex
+_spec.loader.exec_module(ex)
+
+CONFIGS = {
+    "cpu": dict(batch_size=16, seq_len=64, d_model=64, heads=4, layers=2),
+    "tiny": dict(batch_size=8, seq_len=32, d_model=32, heads=2, layers=1),
+    "gpu": dict(batch_size=64, seq_len=256, d_model=384, heads=6, layers=6),
+}
+
+
+# ------------------------------------------------------------------ pure JAX model
+
+
+def params_of(model: Any) -> dict[str, Any]:
+    """The ps model's weights as a plain pytree (copies: the reference donates them)."""
+
+    def c(v: ps.Variable) -> jax.Array:
+        return jnp.array(v.value(), copy=True)
+
+    def dense(d: Any) -> dict[str, jax.Array]:
+        return {"kernel": c(d.kernel), "bias": c(d.bias)}
+
+    def ln(n: Any) -> dict[str, jax.Array]:
+        return {"gamma": c(n.gamma), "beta": c(n.beta)}
+
+    return {
+        "tokens": c(model.tokens.embeddings),
+        "positions": c(model.positions.embeddings),
+        "blocks": [
+            {
+                "ln1": ln(b.ln1),
+                "attn": {k: c(v) for k, v in b.attn.weights.items()},
+                "ln2": ln(b.ln2),
+                "mlp_in": dense(b.mlp_in),
+                "mlp_out": dense(b.mlp_out),
+            }
+            for b in model.blocks
+        ],
+        "ln": ln(model.ln),
+        "head": dense(model.head),
+    }
+
+
+def _ln(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-3) * p["gamma"] + p["beta"]
+
+
+def _drop(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+def _attn(w: dict[str, jax.Array], x: jax.Array, key_dim: int) -> jax.Array:
+    def proj(name: str) -> jax.Array:
+        return jnp.einsum("bsd,dhk->bshk", x, w[f"{name}/kernel"]) + w[f"{name}/bias"]
+
+    q, k, v = proj("query") / math.sqrt(key_dim), proj("key"), proj("value")
+    logits = jnp.einsum("bshk,bthk->bhts", k, q)
+    t = x.shape[1]
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+    out = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(logits, -1), v)
+    return (
+        jnp.einsum("bthk,hkd->btd", out, w["attention_output/kernel"]) + w["attention_output/bias"]
+    )
+
+
+def forward(params: Any, ids: jax.Array, key: jax.Array, cfg: Any) -> jax.Array:
+    keys = iter(jax.random.split(key, 1 + 2 * cfg.layers))
+    x = params["tokens"][ids] + params["positions"][jnp.arange(ids.shape[-1])]
+    x = _drop(next(keys), x, cfg.dropout)
+    for b in params["blocks"]:
+        h = _ln(b["ln1"], x)
+        x = x + _drop(next(keys), _attn(b["attn"], h, cfg.d_model // cfg.heads), cfg.dropout)
+        h = jax.nn.gelu(_ln(b["ln2"], x) @ b["mlp_in"]["kernel"] + b["mlp_in"]["bias"])
+        h = h @ b["mlp_out"]["kernel"] + b["mlp_out"]["bias"]
+        x = x + _drop(next(keys), h, cfg.dropout)
+    x = _ln(params["ln"], x)
+    return x @ params["head"]["kernel"] + params["head"]["bias"]
+
+
+def reference_tx(cfg: Any, params: Any) -> optax.GradientTransformation:
+    mask = jax.tree_util.tree_map_with_path(
+        lambda path, _: str(path[-1]).strip("[]'\"").endswith("kernel"), params
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay, mask=mask),
+    )
+
+
+# ---------------------------------------------------------------------- variants
+
+
+def variants(cfg: Any, k: int, data: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+    """name -> (run(n) -> last loss, steps per call)."""
+    xs, ys = (jnp.asarray(a) for a in data)  # (k, B, T)
+    out: dict[str, Any] = {}
+    with ps.VariableStore():
+        model, opt = ex.build(cfg)
+        params = params_of(model)
+        tx = reference_tx(cfg, params)
+        state = [params, tx.init(params), jax.random.key(0)]
+
+        def loss(p: Any, x: jax.Array, y: jax.Array, key: jax.Array) -> jax.Array:
+            return ex.loss_fn(forward(p, x, key, cfg), y)
+
+        def jstep(p: Any, s: Any, key: jax.Array, x: jax.Array, y: jax.Array) -> Any:
+            key, sub = jax.random.split(key)
+            value, grads = jax.value_and_grad(loss)(p, x, y, sub)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, key, value
+
+        jit_step = jax.jit(jstep, donate_argnums=(0, 1))
+
+        def jfused(p: Any, s: Any, key: jax.Array, xs: jax.Array, ys: jax.Array) -> Any:
+            def body(carry: Any, batch: Any) -> Any:
+                p, s, key, value = jstep(*carry, *batch)
+                return (p, s, key), value
+
+            (p, s, key), losses = jax.lax.scan(body, (p, s, key), (xs, ys))
+            return p, s, key, losses[-1]
+
+        jit_fused = jax.jit(jfused, donate_argnums=(0, 1))
+
+        def run_jit(n: int) -> Any:
+            value = None
+            for i in range(n):
+                state[0], state[1], state[2], value = jit_step(*state, xs[i % k], ys[i % k])
+            return value
+
+        def run_jit_fused(n: int) -> Any:
+            value = None
+            for _ in range(n):
+                state[0], state[1], state[2], value = jit_fused(*state, xs, ys)
+            return value
+
+        step, fused = ex.train_steps(model, opt)
+
+        def run_ps(n: int) -> Any:
+            value = None
+            for i in range(n):
+                value = step(xs[i % k], ys[i % k])
+            return value
+
+        def run_ps_fused(n: int) -> Any:
+            value = None
+            for _ in range(n):
+                value = fused(xs, ys)[-1]
+            return value
+
+        out["jax.jit, donated (reference)"] = (run_jit, 1)
+        out["ps.function + ps.nn"] = (run_ps, 1)
+        out[f"jax.jit, {k} steps fused (lax.scan)"] = (run_jit_fused, k)
+        try:
+            jax.block_until_ready(run_ps_fused(1))
+            out[f"ps.function, {k} steps fused (lax.scan)"] = (run_ps_fused, k)
+        except jax.errors.UnexpectedTracerError:
+            out[f"ps.function, {k} steps fused (lax.scan)"] = (None, k)
+        # keep the model alive with the closures
+        out["_keep"] = (model, opt)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="cpu")
+    parser.add_argument("--steps", type=int, default=40, help="steps per repeat")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--fuse", type=int, default=20, help="K, steps per fused call")
+    parser.add_argument("--quick", action="store_true", help="--steps 10 --repeats 3 --fuse 5")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.fuse = 10, 3, 5
+    k = args.fuse
+    steps = max(k, args.steps // k * k)
+    cfg = ex.Config(**CONFIGS[args.config], dropout=0.1)
+    ps.random.set_seed(0)
+    tokens = ex.load_corpus(0.5)
+    data = ex.batches(tokens, cfg.batch_size, cfg.seq_len, np.random.default_rng(0), k)
+    found = variants(cfg, k, data)
+    found.pop("_keep")
+    times: dict[str, list[float]] = {name: [] for name, (run, _) in found.items() if run}
+    for run, _ in found.values():  # warm up: compile
+        if run:
+            jax.block_until_ready(run(1))
+    for _ in range(args.repeats):
+        for name, (run, per_call) in found.items():
+            if run is None:
+                continue
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(steps // per_call))
+            times[name].append((time.perf_counter() - t0) / steps)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    ref = statistics.median(times["jax.jit, donated (reference)"])
+    print(
+        f"transformer LM ({args.config}: batch {cfg.batch_size}, seq {cfg.seq_len}, "
+        f"d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers); "
+        f"median of {args.repeats} x {steps} steps; jax {jax.__version__} on "
+        f"{jax.devices()[0].device_kind}"
+    )
+    print(f"| {'variant':<40} | ms/step | ratio | tokens/s |")
+    print(f"|{'-' * 42}|--------:|------:|---------:|")
+    for name in found:
+        if name not in times:
+            print(f"| {name:<40} | n/a (needs core) | | |")
+            continue
+        t = statistics.median(times[name])
+        print(f"| {name:<40} | {t * 1e3:7.2f} | {t / ref:5.2f} | {tokens_per_step / t:8,.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Names of an optimizer's state variables: pure functions of optax's state paths.
+
+Contract (used by ``ps.Optimizer``; see its docstring for the naming rule):
+
+* ``slot_names(paths, shapes, params)`` -> ``(names, owners)``: for each optax state leaf
+  (its key path and shape), a readable name relative to the optimizer, and the variable
+  it belongs to if it is a per-parameter slot. ``params`` maps the key under which optax
+  sees each optimized variable (``DictKey(name)`` or ``SequenceKey(i)``) to that
+  variable. A slot is ``"<variable name>/<slot path>"`` (``"dense/w/mu"``), anything
+  else its path (``"count"``, ``"hyperparams/learning_rate"``); list indices of
+  ``optax.chain`` are left out unless two names would collide.
+* ``hyperparam_leaves(paths)`` -> ``[(leaf index, name)]`` of the hyperparameters that
+  ``optax.inject_hyperparams`` keeps in the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+__all__ = ["slot_names", "hyperparam_leaves"]
+
+Path = tuple[Any, ...]
+
+
+def _segment(key: Any, keep_index: bool) -> str | None:
+    if isinstance(key, SequenceKey):
+        return str(key.idx) if keep_index else None
+    if isinstance(key, GetAttrKey):
+        return key.name
+    if isinstance(key, (DictKey, FlattenedIndexKey)):
+        return str(key.key)
+    return str(key)
+
+
+def path_name(path: Path, keep_index: bool) -> str:
+    """``"0/mu"`` (``keep_index``) or ``"mu"`` for the path of ``chain(...)[0].mu``."""
+    return "/".join(s for s in (_segment(k, keep_index) for k in path) if s)
+
+
+def _owners(
+    paths: Sequence[Path], shapes: Sequence[tuple[int, ...]], params: Mapping[Any, Any]
+) -> list[Any]:
+    """The variable each per-parameter leaf belongs to (None for shared state): a leaf
+    whose last key is a parameter's, in a group of siblings that are all parameters' and
+    either have their shapes or sit under a named field."""
+    siblings: dict[Path, list[int]] = {}
+    for j, path in enumerate(paths):
+        if path:
+            siblings.setdefault(tuple(path[:-1]), []).append(j)
+    owners: list[Any] = []
+    for path in paths:
+        if not path or path[-1] not in params:
+            owners.append(None)
+            continue
+        group = siblings[tuple(path[:-1])]
+        if not all(paths[s][-1] in params for s in group):
+            owners.append(None)
+            continue
+        shapes_match = all(tuple(shapes[s]) == params[paths[s][-1]].shape for s in group)
+        named_field = len(path) > 1 and not isinstance(path[-2], SequenceKey)
+        owners.append(params[path[-1]] if shapes_match or named_field else None)
+    return owners
+
+
+def slot_names(
+    paths: Sequence[Path], shapes: Sequence[tuple[int, ...]], params: Mapping[Any, Any]
+) -> tuple[list[str], list[Any]]:
+    """Unique names for the state leaves, and their owning variables (see the docstring)."""
+    owners = _owners(paths, shapes, params)
+
+    def name(j: int, keep_index: bool) -> str:
+        if owners[j] is None:
+            return path_name(paths[j], keep_index) or "state"
+        slot = path_name(paths[j][:-1], keep_index)
+        return f"{owners[j].name}/{slot}" if slot else owners[j].name
+
+    short = [name(j, False) for j in range(len(paths))]
+    return [name(j, True) if short.count(n) > 1 else n for j, n in enumerate(short)], owners
+
+
+def hyperparam_leaves(paths: Sequence[Path]) -> list[tuple[int, str]]:
+    """``(leaf index, hyperparameter name)`` for ``...hyperparams[name]`` leaves."""
+    return [
+        (j, str(path[-1].key))
+        for j, path in enumerate(paths)
+        if len(path) >= 2
+        and isinstance(path[-1], DictKey)
+        and isinstance(path[-2], GetAttrKey)
+        and path[-2].name == "hyperparams"
+    ]

@@ -1,0 +1,153 @@
+"""``MultiHeadAttention``, as ``keras.layers.MultiHeadAttention`` (same variables)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from paramstore import initializers as _init
+from paramstore import scope as _scope
+from paramstore.nn._base import Layer, as_float, initializer
+from paramstore.variable import Variable
+
+__all__ = ["MultiHeadAttention"]
+
+_NEG = -1e9  # Keras' large negative number for masked logits (float32)
+
+
+class MultiHeadAttention(Layer):
+    """Scaled dot-product attention with ``num_heads`` heads, as Keras'.
+
+    ``layer(query, value, key=None, mask=None, use_causal_mask=False)``: ``query`` has shape
+    ``(batch, T, dq)``, ``value`` ``(batch, S, dv)``, ``key`` (default ``value``)
+    ``(batch, S, dk)``; the output has ``query``'s shape. Self-attention is
+    ``layer(x, x)``. ``mask`` is a boolean array broadcastable to ``(batch, T, S)`` (rank
+    2 or 3) or ``(batch, num_heads, T, S)`` (rank 4): ``True`` lets a query position
+    attend to a key position. ``use_causal_mask=True`` also masks the future.
+
+    Variables (Keras' names): ``query/kernel`` ``(dq, heads, key_dim)``, ``query/bias``
+    ``(heads, key_dim)``, likewise ``key/*`` and ``value/*`` (``value_dim``, default
+    ``key_dim``), ``attention_output/kernel`` ``(heads, value_dim, dq)`` and
+    ``attention_output/bias`` ``(dq,)``; glorot_uniform kernels, zero biases.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        key_dim: int,
+        value_dim: int | None = None,
+        use_bias: bool = True,
+        kernel_initializer: Any = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        for what, n in (("num_heads", num_heads), ("key_dim", key_dim), ("value_dim", value_dim)):
+            if n is None and what == "value_dim":
+                continue
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"MultiHeadAttention: {what} must be a positive int, got {n!r}.")
+        self.num_heads, self.key_dim = num_heads, key_dim
+        self.value_dim = key_dim if value_dim is None else value_dim
+        self.use_bias = bool(use_bias)
+        self._kernel_init = initializer(
+            kernel_initializer, _init.glorot_uniform(), "MultiHeadAttention", "kernel_initializer"
+        )
+        self._dims: tuple[int, int, int] | None = None
+        self.weights: dict[str, Variable] = {}
+
+    def _dense(self, scope: str, shape: tuple[int, ...], bias: tuple[int, ...]) -> None:
+        k_init = self._kernel_init
+        with _scope.name_scope(scope):
+            self.weights[f"{scope}/kernel"] = Variable(lambda: k_init(shape), name="kernel")
+            if self.use_bias:
+                self.weights[f"{scope}/bias"] = Variable(lambda: _init.zeros()(bias), name="bias")
+
+    def _build(self, dq: int, dk: int, dv: int) -> None:
+        h, kd, vd = self.num_heads, self.key_dim, self.value_dim
+        with self.name_scope:
+            self._dense("query", (dq, h, kd), (h, kd))
+            self._dense("key", (dk, h, kd), (h, kd))
+            self._dense("value", (dv, h, vd), (h, vd))
+            self._dense("attention_output", (h, vd, dq), (dq,))
+        self._dims = (dq, dk, dv)
+        self.built = True
+
+    def _check(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any) -> None:
+        """Every shape check, before anything is built."""
+        me = self.describe()
+        for what, x in (("query", q), ("key", k), ("value", v)):
+            if x.ndim != 3:
+                raise ValueError(
+                    f"{me} expects a 3-D {what} (batch, length, features), got shape "
+                    f"{tuple(x.shape)}."
+                )
+        if k.shape[:2] != v.shape[:2] or q.shape[0] != v.shape[0]:
+            raise ValueError(
+                f"{me}: query {tuple(q.shape)}, key {tuple(k.shape)} and value "
+                f"{tuple(v.shape)} must share the batch size, and key and value the length."
+            )
+        if self._dims is not None:
+            got = (q.shape[-1], k.shape[-1], v.shape[-1])
+            if got != self._dims:
+                raise ValueError(
+                    f"{me} was built for query, key and value feature sizes {self._dims}, "
+                    f"got {got} (shapes query {tuple(q.shape)}, key {tuple(k.shape)}, "
+                    f"value {tuple(v.shape)})."
+                )
+        if mask is not None:
+            b, t, s = q.shape[0], q.shape[1], v.shape[1]
+            shape = tuple(jnp.shape(mask))
+            full = (b, self.num_heads, t, s) if len(shape) == 4 else (b, t, s)
+            padded = (1,) * (len(full) - len(shape)) + shape
+            if (
+                len(shape) < 2
+                or len(shape) > 4
+                or any(m not in (1, f) for m, f in zip(padded, full))
+            ):
+                raise ValueError(
+                    f"{me}: mask has shape {shape}, but query {tuple(q.shape)} and value "
+                    f"{tuple(v.shape)} need a mask broadcastable to (batch, T, S) = {(b, t, s)} "
+                    f"or (batch, heads, T, S) = {(b, self.num_heads, t, s)}."
+                )
+
+    def __call__(
+        self,
+        query: Any,
+        value: Any,
+        key: Any = None,
+        mask: Any = None,
+        use_causal_mask: bool = False,
+    ) -> jax.Array:
+        q_in = as_float(query)
+        v_in = q_in if value is query else as_float(value)
+        k_in = v_in if key is None else as_float(key)
+        self._check(q_in, k_in, v_in, mask)
+        if not self.built:
+            self._build(q_in.shape[-1], k_in.shape[-1], v_in.shape[-1])
+        w = {name: var.value() for name, var in self.weights.items()}
+
+        def project(x: jax.Array, name: str) -> jax.Array:
+            y = jnp.einsum("bsd,dhk->bshk", x, w[f"{name}/kernel"])
+            return y + w[f"{name}/bias"] if self.use_bias else y
+
+        q = project(q_in, "query") * (1.0 / math.sqrt(self.key_dim))
+        k = project(k_in, "key")
+        v = project(v_in, "value")
+        logits = jnp.einsum("bshk,bthk->bhts", k, q)
+        allowed = None
+        if mask is not None:
+            m = jnp.asarray(mask).astype(bool)
+            allowed = m[:, None] if m.ndim == 3 else m
+        if use_causal_mask:
+            t, s = logits.shape[-2], logits.shape[-1]
+            causal = jnp.tril(jnp.ones((t, s), bool))
+            allowed = causal if allowed is None else jnp.logical_and(allowed, causal)
+        if allowed is not None:
+            logits = jnp.where(allowed, logits, jnp.asarray(_NEG, logits.dtype))
+        scores = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("bhts,bshk->bthk", scores, v)
+        y = jnp.einsum("bthk,hkd->btd", out, w["attention_output/kernel"])
+        return y + w["attention_output/bias"] if self.use_bias else y

@@ -1,0 +1,180 @@
+"""``Dense``, ``Embedding``, ``Dropout`` and ``Sequential`` (Keras names and defaults)."""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from paramstore import initializers as _init
+from paramstore import random as _random
+from paramstore.nn._base import Activation, Layer, as_float, initializer, resolve_activation
+from paramstore.variable import Variable
+
+__all__ = ["Dense", "Embedding", "Dropout", "Sequential"]
+
+
+class Dense(Layer):
+    """``activation(x @ kernel + bias)`` over the last axis, as ``keras.layers.Dense``.
+
+    ``kernel`` has shape ``(in, units)`` (``in`` is the last axis of the first input),
+    ``bias`` ``(units,)``; defaults glorot_uniform and zeros. ``activation`` is a callable
+    or a Keras name (``"relu"``). Integer inputs are cast to float32.
+    """
+
+    def __init__(
+        self,
+        units: int,
+        activation: str | Activation | None = None,
+        use_bias: bool = True,
+        kernel_initializer: Any = None,
+        bias_initializer: Any = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+            raise ValueError(f"Dense: units must be a positive int, got {units!r}.")
+        self.units = units
+        self.activation = resolve_activation(activation, "Dense")
+        self.use_bias = bool(use_bias)
+        self._kernel_init = initializer(
+            kernel_initializer, _init.glorot_uniform(), "Dense", "kernel_initializer"
+        )
+        self._bias_init = initializer(bias_initializer, _init.zeros(), "Dense", "bias_initializer")
+        self.kernel: Variable | None = None
+        self.bias: Variable | None = None
+
+    def build(self, shape: tuple[int, ...]) -> None:
+        k_init, b_init, units = self._kernel_init, self._bias_init, self.units
+        self.kernel = Variable(lambda: k_init((shape[-1], units)), name="kernel")
+        if self.use_bias:
+            self.bias = Variable(lambda: b_init((units,)), name="bias")
+
+    def __call__(self, x: Any) -> jax.Array:
+        x = as_float(x)
+        self._ensure_built(tuple(x.shape))
+        assert self.kernel is not None
+        y = jnp.matmul(x, self.kernel.value())
+        if self.bias is not None:
+            y = y + self.bias.value()
+        return y if self.activation is None else self.activation(y)
+
+
+class Embedding(Layer):
+    """A lookup table ``embeddings`` ``(input_dim, output_dim)``, as ``keras.layers.Embedding``
+    (initialized uniformly in [-0.05, 0.05]). Inputs must be integer indices; the output has
+    shape ``x.shape + (output_dim,)``."""
+
+    def __init__(
+        self,
+        input_dim: int,
+        output_dim: int,
+        embeddings_initializer: Any = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        for what, n in (("input_dim", input_dim), ("output_dim", output_dim)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"Embedding: {what} must be a positive int, got {n!r}.")
+        self.input_dim, self.output_dim = input_dim, output_dim
+        self._init = initializer(
+            embeddings_initializer,
+            _init.random_uniform(-0.05, 0.05),
+            "Embedding",
+            "embeddings_initializer",
+        )
+        self.embeddings: Variable | None = None
+
+    def __call__(self, ids: Any) -> jax.Array:
+        ids = jnp.asarray(ids)
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(
+                f"{self.describe()} expects integer indices, got an input of dtype "
+                f"{ids.dtype} and shape {tuple(ids.shape)}. Cast token ids to int32 "
+                "(x.astype(jnp.int32)) before the lookup."
+            )
+        if not self.built:
+            init, shape = self._init, (self.input_dim, self.output_dim)
+            with self.name_scope:
+                self.embeddings = Variable(lambda: init(shape), name="embeddings")
+            self.built = True
+        assert self.embeddings is not None
+        return jnp.take(self.embeddings.value(), ids, axis=0)
+
+
+class Dropout(Layer):
+    """Inverted dropout, as ``keras.layers.Dropout``: ``layer(x, training=True)`` zeroes each
+    element with probability ``rate`` and scales the others by ``1 / (1 - rate)``;
+    ``training=False`` (the default) returns ``x``. Every call draws a new mask (eagerly and
+    inside ``ps.function``) from ``generator.key()`` when a ``ps.random.Generator`` is given,
+    else from ``ps.random.next_key()``. ``rate`` must be in [0, 1)."""
+
+    rate: float
+    generator: Any
+
+    def __init__(self, rate: float, generator: Any = None, name: str | None = None) -> None:
+        super().__init__(name=name)
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+            raise TypeError(f"Dropout: rate must be a number in [0, 1), got {rate!r}.")
+        if not 0.0 <= float(rate) < 1.0:
+            raise ValueError(
+                f"Dropout: rate must be in [0, 1) (the fraction of inputs to drop), got {rate!r}."
+            )
+        if generator is not None and not callable(getattr(generator, "key", None)):
+            raise TypeError(
+                "Dropout: generator must be a ps.random.Generator (something with .key()), "
+                f"got {type(generator).__name__}."
+            )
+        self.rate = float(rate)
+        self.generator = generator
+        self.built = True
+
+    def __call__(self, x: Any, training: bool = False) -> jax.Array:
+        x = jnp.asarray(x)
+        if not training or self.rate == 0.0:
+            return x
+        key = self.generator.key() if self.generator is not None else _random.next_key()
+        keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
+        return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+
+
+def _takes_training(layer: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(layer).parameters
+    except (TypeError, ValueError):
+        return False
+    return "training" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class Sequential(Layer):
+    """Calls ``layers`` in order; ``training=`` is passed to the layers whose call takes it
+    (Dropout, BatchNormalization, nested Sequentials). Any callable can be a layer
+    (``jax.nn.relu`` too)."""
+
+    def __init__(self, layers: Iterable[Any] = (), name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.layers: list[Any] = []
+        for layer in layers:
+            self.add(layer)
+        self.built = True
+
+    def add(self, layer: Any) -> None:
+        """Append a layer (any callable)."""
+        if not callable(layer):
+            raise TypeError(
+                f"Sequential '{self.scope_name}': layer {len(self.layers)} is a "
+                f"{type(layer).__name__}, which is not callable."
+            )
+        self.layers.append(layer)
+
+    def __call__(self, x: Any, training: bool | None = None) -> Any:
+        for layer in self.layers:
+            if training is not None and _takes_training(layer):
+                x = layer(x, training=training)
+            else:
+                x = layer(x)
+        return x

@@ -1,0 +1,111 @@
+"""``LayerNormalization`` and ``BatchNormalization`` over the last axis (Keras defaults)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from paramstore import initializers as _init
+from paramstore.nn._base import Layer, as_float
+from paramstore.variable import Variable
+
+__all__ = ["LayerNormalization", "BatchNormalization"]
+
+
+def _check_epsilon(epsilon: Any, layer: str) -> float:
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"{layer}: epsilon must be a positive number, got {epsilon!r}.")
+    return float(epsilon)
+
+
+class LayerNormalization(Layer):
+    """``(x - mean) / sqrt(var + epsilon) * gamma + beta`` with the mean and (biased)
+    variance of each example's last axis, as ``keras.layers.LayerNormalization``;
+    ``gamma`` (ones) and ``beta`` (zeros) have shape ``(features,)``."""
+
+    def __init__(self, epsilon: float = 1e-3, name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.epsilon = _check_epsilon(epsilon, "LayerNormalization")
+        self.gamma: Variable | None = None
+        self.beta: Variable | None = None
+
+    def build(self, shape: tuple[int, ...]) -> None:
+        n = shape[-1]
+        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma")
+        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta")
+
+    def __call__(self, x: Any) -> jax.Array:
+        x = as_float(x)
+        self._ensure_built(tuple(x.shape))
+        assert self.gamma is not None and self.beta is not None
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+        return y * self.gamma.value() + self.beta.value()
+
+
+class BatchNormalization(Layer):
+    """Batch normalization over the last (feature) axis, as ``keras.layers.BatchNormalization``.
+
+    ``layer(x, training=True)`` normalizes with the batch's mean and (biased) variance over
+    every axis but the last, and updates the non-trainable ``moving_mean`` (zeros) and
+    ``moving_variance`` (ones): ``moving = moving * momentum + batch * (1 - momentum)``
+    (eagerly and inside ``ps.function``; no gradient flows into them). ``training=False``
+    (the default) normalizes with the moving statistics. ``gamma`` (ones) and ``beta``
+    (zeros) are trainable.
+    """
+
+    def __init__(
+        self, momentum: float = 0.99, epsilon: float = 1e-3, name: str | None = None
+    ) -> None:
+        super().__init__(name=name)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+            raise ValueError(f"BatchNormalization: momentum must be a number, got {momentum!r}.")
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"BatchNormalization: momentum must be in [0, 1], got {momentum!r}.")
+        self.momentum = float(momentum)
+        self.epsilon = _check_epsilon(epsilon, "BatchNormalization")
+        self.gamma: Variable | None = None
+        self.beta: Variable | None = None
+        self.moving_mean: Variable | None = None
+        self.moving_variance: Variable | None = None
+
+    def build(self, shape: tuple[int, ...]) -> None:
+        n = shape[-1]
+        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma")
+        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta")
+        self.moving_mean = Variable(
+            lambda: _init.zeros()((n,)), trainable=False, name="moving_mean"
+        )
+        self.moving_variance = Variable(
+            lambda: _init.ones()((n,)), trainable=False, name="moving_variance"
+        )
+
+    def __call__(self, x: Any, training: bool = False) -> jax.Array:
+        x = as_float(x)
+        if training and x.ndim < 2:
+            raise ValueError(
+                f"{self.describe()} in training mode needs a batch axis, got an input of "
+                f"shape {tuple(x.shape)}."
+            )
+        self._ensure_built(tuple(x.shape))
+        assert self.gamma is not None and self.beta is not None
+        assert self.moving_mean is not None and self.moving_variance is not None
+        if training:
+            axes = tuple(range(x.ndim - 1))
+            mean = jnp.mean(x, axis=axes)
+            var = jnp.mean(jnp.square(x - mean), axis=axes)
+            m = self.momentum
+            stats = jax.lax.stop_gradient((mean, var))
+            new_mean = self.moving_mean.value() * m + stats[0] * (1.0 - m)
+            new_var = self.moving_variance.value() * m + stats[1] * (1.0 - m)
+            self.moving_mean.assign(new_mean.astype(self.moving_mean.dtype), read_value=False)
+            self.moving_variance.assign(
+                new_var.astype(self.moving_variance.dtype), read_value=False
+            )
+        else:
+            mean, var = self.moving_mean.value(), self.moving_variance.value()
+        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+        return y * self.gamma.value() + self.beta.value()
