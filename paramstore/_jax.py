@@ -37,6 +37,7 @@ __all__ = [
     "ref_in",
     "tracer_in",
     "trace_of",
+    "in_trace",
     "ConcretizationError",
 ]
 
@@ -64,6 +65,11 @@ def staging(trace: Any) -> bool:
 def trace_of(x: Any) -> Any:
     """The trace a tracer belongs to (None for a concrete value)."""
     return getattr(x, "_trace", None) if isinstance(x, Tracer) else None
+
+
+def in_trace(trace: Any) -> Any:
+    """A context manager making ``trace`` the current trace (an enclosing one)."""
+    return _core.set_current_trace(trace)
 
 
 def ref_in(trace: Any, value: Any) -> Any:

@@ -39,7 +39,16 @@ import jax
 import jax.numpy as jnp
 
 from paramstore._context import ctx
-from paramstore._jax import EVAL, Tracer, current_trace, ref_in, staging, trace_of, tracer_in
+from paramstore._jax import (
+    EVAL,
+    Tracer,
+    current_trace,
+    in_trace,
+    ref_in,
+    staging,
+    trace_of,
+    tracer_in,
+)
 
 __all__ = ["Frame", "PURE", "OPEN", "CAPTURE", "push", "active", "read", "bind", "create"]
 
@@ -240,6 +249,14 @@ def check_create() -> None:
             )
 
 
+def creation_trace() -> Any:
+    """Where a new variable's initializer should run: the base trace of the enclosing
+    capture frame (so a layer built inside ps.grad or a lax.scan body still gets an
+    initial value the trace can compute), else None (the current trace)."""
+    stack = ctx.frames
+    return stack[0].base if stack and stack[0].kind == CAPTURE else None
+
+
 def create(var: Variable, value: Any) -> None:
     """Bind a variable created with a traced initial value in the enclosing capture frame.
 
@@ -247,7 +264,7 @@ def create(var: Variable, value: Any) -> None:
     input after the trace (and computes once, as the variable's initial value)."""
     stack = ctx.frames
     frame = stack[0] if stack and stack[0].kind == CAPTURE else None
-    if frame is None or trace_of(value) is not frame.base or current_trace() is not frame.base:
+    if frame is None or trace_of(value) is not frame.base:
         where = stack[-1].owner if stack else "a plain JAX transformation (jax.jit, ...)"
         raise ValueError(
             f"The initial value of variable '{var.name}' is a traced value computed inside "
@@ -256,7 +273,8 @@ def create(var: Variable, value: Any) -> None:
             "body or a plain jax.jit), or outside it, or pass a concrete value or a "
             "callable (e.g. ps.Variable(lambda: jnp.zeros(shape)))."
         )
-    copy = jnp.array(value, copy=True)  # its own jaxpr variable, distinct from `value`
+    with in_trace(frame.base):  # its own jaxpr variable, distinct from `value`
+        copy = jnp.array(value, copy=True)
     frame.values[id(var)] = copy
     frame.vars[id(var)] = var
     frame.created.append((var, copy))

@@ -40,6 +40,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections import deque
+from contextlib import nullcontext
 from collections.abc import Callable, Iterator
 from itertools import repeat
 from typing import Any
@@ -62,7 +63,7 @@ from paramstore._dtypes import (
     tf_infer,
     to_strings,
 )
-from paramstore._jax import EVAL, Tracer, current_trace, staging
+from paramstore._jax import EVAL, Tracer, current_trace, in_trace, staging
 from paramstore._placement import place, placement
 from paramstore._seed import naming
 from paramstore._store import default_store
@@ -607,7 +608,8 @@ def _initial_value(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any,
     concrete array, or (in a ``ps.function`` trace) a tracer."""
     want = None if dtype is None else canonical_dtype(dtype, f"variable '{full_name}'")
     if callable(initial_value) and not isinstance(initial_value, (Variable, jax.Array)):
-        with naming(full_name):
+        base = _trace.creation_trace()
+        with naming(full_name), in_trace(base) if base is not None else nullcontext():
             initial_value = initial_value()
     if isinstance(initial_value, (Variable, VariableSlice)):
         source = initial_value.value()

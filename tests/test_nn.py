@@ -226,9 +226,6 @@ def test_dropout_statistics_and_inference():
     assert (y2 != y).any()  # eager calls draw new masks
 
 
-@pytest.mark.xfail(
-    reason="needs core: ps.random.next_key() advancing inside ps.function", strict=False
-)
 def test_dropout_draws_a_new_mask_on_every_compiled_call():
     layer = ps.nn.Dropout(0.5)
     f = ps.function(lambda x: layer(x, training=True))
@@ -240,7 +237,6 @@ def test_dropout_draws_a_new_mask_on_every_compiled_call():
         assert abs(m.mean() - 0.5) < 0.05
 
 
-@pytest.mark.xfail(reason="needs core: ps.random.Generator", strict=False)
 def test_dropout_with_a_generator_is_reproducible_and_fresh():
     def run():
         g = ps.random.Generator.from_seed(7)

@@ -43,7 +43,6 @@ def test_small_configuration_trains_and_restores(tmp_path):
     assert any(tmp_path.iterdir())
 
 
-@pytest.mark.xfail(reason="needs core: variables assigned inside lax.scan (issue 9)", strict=False)
 def test_fused_steps_run_in_one_call():
     ex = _example()
     with ps.VariableStore():
