@@ -129,7 +129,7 @@ class _Pending:
 
     def __init__(self, status: CheckpointStatus) -> None:
         self.status = status
-        self.values: dict[str, np.ndarray] = {}
+        self.values: dict[str, tuple[str, np.ndarray]] = {}  # rel -> (name in file, value)
 
     def attached(self, module: Module, name: str, value: Any) -> None:
         """``module.<name> = value`` happened: restore what ``value`` holds."""
@@ -137,23 +137,27 @@ class _Pending:
         for key in [k for k in self.values if k == name or k.startswith(name + "/")]:
             target = variables.get(key)
             if target is not None:
-                self.status.apply(target, self.values.pop(key), key)
+                full, saved = self.values.pop(key)
+                self.status.apply(target, saved, full)
                 continue
             found = _deepest_module(key, modules)
             if found is not None:
                 sub_path, sub = found
-                defer(sub, key[len(sub_path) + 1 :], self.values.pop(key), self.status)
+                full, saved = self.values.pop(key)
+                defer(sub, key[len(sub_path) + 1 :], full, saved, self.status)
         if not self.values:
             del module.__dict__["_ps_pending"]
 
 
-def defer(module: Module, rel: str, value: np.ndarray, status: CheckpointStatus) -> None:
-    """Keep ``value`` for ``module``'s variable at ``rel``, assigned when it is created."""
+def defer(
+    module: Module, rel: str, name: str, value: np.ndarray, status: CheckpointStatus
+) -> None:
+    """Keep the file's ``name`` = ``value`` for ``module``'s variable at relative path
+    ``rel``, assigned when it is created."""
     pending = module.__dict__.get("_ps_pending")
     if pending is None:
         pending = module.__dict__["_ps_pending"] = _Pending(status)
-    pending.values[rel] = value
-    status.deferred[id(module), rel] = module
+    pending.values[rel] = (name, value)
 
 
 class CheckpointStatus:
@@ -164,7 +168,6 @@ class CheckpointStatus:
         self.path = path
         self._unused = set(names)  # file values not yet given to a variable
         self._restored: set[int] = set()
-        self.deferred: dict[tuple[int, str], Module] = {}
         self._partial = False
 
     def apply(self, v: Variable, value: np.ndarray, name: str) -> None:
@@ -280,7 +283,7 @@ class Checkpoint:
         for name, v in present.items():
             status.consumed(name, v)
         for name, (module_path, module) in later.items():
-            defer(module, name[len(module_path) + 1 :], values[name], status)
+            defer(module, name[len(module_path) + 1 :], name, values[name], status)
         return status
 
     def __repr__(self) -> str:
