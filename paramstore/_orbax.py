@@ -290,6 +290,12 @@ class ShardedCheckpoint:
             meta = self._meta[name]
             if "checksum" not in meta:
                 continue
+            if not isinstance(value, (jax.Array, np.ndarray)):
+                raise CheckpointError(
+                    f"Checkpoint '{self.path}' is corrupt or incomplete: its array data has no "
+                    f"value for variable '{name}' (key {meta['key']!r}). Restore another "
+                    "checkpoint."
+                )
             if tuple(value.shape) != meta["shape"] or np.dtype(value.dtype) != meta["dtype"]:
                 raise CheckpointError(
                     f"Checkpoint '{self.path}' is corrupt: variable '{name}' was read with "
