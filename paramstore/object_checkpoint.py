@@ -149,9 +149,7 @@ class _Pending:
             del module.__dict__["_ps_pending"]
 
 
-def defer(
-    module: Module, rel: str, name: str, value: np.ndarray, status: CheckpointStatus
-) -> None:
+def defer(module: Module, rel: str, name: str, value: np.ndarray, status: CheckpointStatus) -> None:
     """Keep the file's ``name`` = ``value`` for ``module``'s variable at relative path
     ``rel``, assigned when it is created."""
     pending = module.__dict__.get("_ps_pending")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import optax
@@ -183,9 +184,9 @@ def test_checkpoint_rejects_other_objects():
 def test_corrupt_file_changes_nothing_and_defers_nothing(tmp_path):
     model = MLP()
     path = ps.Checkpoint(model=model).save(tmp_path / "c.safetensors")
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(Path(path).read_bytes())
     raw[-3] ^= 0x10
-    open(path, "wb").write(raw)
+    Path(path).write_bytes(bytes(raw))
     rebuilt = ps.Module()
     rebuilt.layers = [Dense(3, 4)]
     before = snapshot(rebuilt.variables)
