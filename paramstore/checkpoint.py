@@ -612,8 +612,7 @@ class CheckpointManager:
                     else:
                         os.unlink(old)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
+            multihost_utils = importlib.import_module("jax.experimental.multihost_utils")
             multihost_utils.sync_global_devices("paramstore.CheckpointManager.prune")
 
     def _background(self, path: str, arrays: dict[str, np.ndarray]) -> None:
