@@ -1,11 +1,16 @@
 """Checkpoints: ``Saver``, ``CheckpointManager``, ``list_variables``, ``load_variable``.
 
+(``ps.Checkpoint``, object-based, is in ``paramstore.object_checkpoint``; every format
+implements the reader interface of ``paramstore._format``, and ``open_reader`` picks one
+from what is on disk: a paramstore file, a sharded Orbax directory, a TensorFlow
+checkpoint or a Keras ``.weights.h5`` file, the last two read-only.)
+
 Contract (the file format is described in docs/checkpoints.md):
 
 * A checkpoint is one standard safetensors file (readable by ``safetensors.safe_open``):
   an 8-byte little-endian header length, a JSON header, then the raw little-endian bytes
   of each tensor. paramstore adds, in the header's ``__metadata__``, a format version and,
-  per tensor, a CRC-32 of its bytes (checked on every load) and the true dtype and shape of
+  per tensor, an XXH3-64 of its bytes (checked on every load) and the true dtype and shape of
   the tensors that safetensors cannot describe (strings, complex128, ...). Nothing is ever
   pickled or executed on load; every size in the header is checked against the file.
 * ``Saver(var_list)`` saves and restores a fixed set of variables under fixed names: ``None``

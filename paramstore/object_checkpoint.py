@@ -92,6 +92,9 @@ def _walk(
     elif isinstance(getattr(obj, "state", None), Variable):  # ps.random.Generator
         seen.add(id(obj))
         _walk(obj.state, f"{path}/state", variables, modules, seen)
+    elif hasattr(obj, "variables"):  # any other object exposing its variables
+        seen.add(id(obj))
+        _walk(list(obj.variables), f"{path}/variables", variables, modules, seen)
 
 
 def object_paths(root: Any, prefix: str = "") -> tuple[dict[str, Variable], dict[str, Module]]:
@@ -232,10 +235,6 @@ class Checkpoint:
                     f"ps.Checkpoint: {key}= is a {type(obj).__name__}; expected a Module, an "
                     "Optimizer, a Variable, a ps.random.Generator or a Checkpoint."
                 )
-            if not isinstance(obj, (Module, Variable, Checkpoint, list, tuple, dict)) and not (
-                isinstance(getattr(obj, "state", None), Variable)
-            ):
-                objects[key] = list(obj.variables)
         self.objects: dict[str, Any] = objects
         self.sharded = sharded
 

@@ -174,6 +174,19 @@ def test_generator_like_objects_and_nested_checkpoints(tmp_path):
     assert gen.state.numpy().tolist() == [1, 2] and float(v.numpy()) == 3.0
 
 
+def test_objects_exposing_variables_are_keyed_by_position(tmp_path):
+    class Bag:
+        def __init__(self) -> None:
+            self.variables = [ps.Variable(np.float32(1.0), name="x")]
+
+    bag = Bag()
+    path = ps.Checkpoint(bag=bag).save(tmp_path / "c.safetensors")
+    assert [n for n, _, _ in ps.checkpoint.list_variables(path)] == ["bag/variables/0"]
+    bag.variables[0].assign(5.0)
+    ps.Checkpoint(bag=bag).restore(path).assert_consumed()
+    assert float(bag.variables[0].numpy()) == 1.0
+
+
 def test_checkpoint_rejects_other_objects():
     with pytest.raises(TypeError, match="expected a Module"):
         ps.Checkpoint(model=object())
