@@ -262,3 +262,30 @@ def test_allow_missing_that_restores_nothing_is_an_error(tmp_path):
 def test_saver_of_a_dict_of_modules_points_to_checkpoint():
     with pytest.raises(TypeError, match=r"ps.Checkpoint\(model=...\)"):
         Saver({"model": Dense(2, 2)})
+
+
+def test_deferred_restoration_inside_a_compiled_function(tmp_path):
+    class LazyInTrace(ps.Module):
+        def __init__(self) -> None:
+            pass
+
+        def __call__(self, x):
+            if "w" not in vars(self):
+                n = x.shape[-1]
+                self.w = ps.Variable(lambda: np.ones((n, 2), np.float32), name="w")
+            return x @ self.w
+
+    layer = LazyInTrace()
+    layer(np.ones((1, 3), np.float32))
+    layer.w.assign(np.full((3, 2), 7.0, np.float32))
+    path = ps.Checkpoint(m=layer).save(tmp_path / "c.safetensors")
+    fresh = LazyInTrace()
+    status = ps.Checkpoint(m=fresh).restore(path)
+
+    @ps.function
+    def run(x):
+        return fresh(x)
+
+    np.testing.assert_array_equal(np.asarray(run(np.ones((1, 3), np.float32))), [[21.0, 21.0]])
+    np.testing.assert_array_equal(fresh.w.numpy(), np.full((3, 2), 7.0))
+    status.assert_consumed()
