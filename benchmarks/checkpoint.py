@@ -11,8 +11,10 @@ Cases: 512 MiB in 64 float32 arrays ("large"), 4,096 arrays of 16 KiB ("many"), 
   them back into fresh arrays (restore): the disk's and memory's limit, no format at all.
   Restores are timed twice: from the page cache ("warm", the usual case right after a
   save) and with the file evicted from it first (``posix_fadvise(DONTNEED)``, "cold").
-* paramstore: ``Saver.save`` (atomic, CRC-32 per tensor, fsync) and ``Saver.restore``
-  (validate, verify checksums, ``device_put``, assign).
+* paramstore: ``Saver.save`` (atomic, XXH3-64 per tensor, fsync) and ``Saver.restore``
+  (validate, verify checksums, one batched ``device_put``, assign).
+* ps.Checkpoint: the same through ``ps.Checkpoint(model=...)``, whose keys are attribute
+  paths found by walking the objects (the cost of object-based keys).
 * ``np.savez`` + fsync / ``np.load``; Orbax ``StandardCheckpointer`` when installed.
 
 Each figure is the median (and the minimum) of ``--repeats`` runs, the methods taking turns
@@ -143,6 +145,9 @@ def bench_case(case: Case, root: str, repeats: int) -> tuple[list[Method], float
         variables = [ps.Variable(a, name=f"layer_{i}/w") for i, a in enumerate(arrays)]
     jax.block_until_ready([v.value() for v in variables])
     saver = Saver(variables)
+    holder = ps.Module(name="holder")
+    holder.layers = variables
+    objects = ps.Checkpoint(model=holder)
     zero = [jnp.zeros_like(v.value()) for v in variables]
 
     def clear() -> None:
@@ -154,7 +159,9 @@ def bench_case(case: Case, root: str, repeats: int) -> tuple[list[Method], float
         evict(path)
 
     d = tempfile.mkdtemp(dir=root)
-    raw, ckpt, npz = (os.path.join(d, n) for n in ("raw.bin", "ckpt.safetensors", "x.npz"))
+    raw, ckpt, npz, obj = (
+        os.path.join(d, n) for n in ("raw.bin", "ckpt.safetensors", "x.npz", "obj.safetensors")
+    )
     try:
         orbax = os.path.join(d, "orbax")
         saves = [
@@ -162,6 +169,7 @@ def bench_case(case: Case, root: str, repeats: int) -> tuple[list[Method], float
                 "raw write+fsync", "save", "", lambda: raw_save(raw, arrays), lambda: fresh(raw)
             ),
             Method("paramstore", "save", "", lambda: saver.save(ckpt), lambda: fresh(ckpt)),
+            Method("ps.Checkpoint", "save", "", lambda: objects.save(obj), lambda: fresh(obj)),
             Method("np.savez+fsync", "save", "", lambda: npz_save(npz, arrays), lambda: fresh(npz)),
         ]
         if ocp is not None:
@@ -173,9 +181,14 @@ def bench_case(case: Case, root: str, repeats: int) -> tuple[list[Method], float
             saver.restore(ckpt)
             jax.block_until_ready([v.value() for v in variables])
 
+        def restore_objects() -> None:
+            objects.restore(obj)
+            jax.block_until_ready([v.value() for v in variables])
+
         restores = [
             Method("raw read", "restore", "warm", lambda: raw_restore(raw, arrays)),
             Method("paramstore", "restore", "warm", restore, clear),
+            Method("ps.Checkpoint", "restore", "warm", restore_objects, clear),
             Method("np.load", "restore", "warm", lambda: npz_restore(npz)),
         ]
         if ocp is not None:

@@ -9,6 +9,7 @@ from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.function import Function, function
 from paramstore.functional import State, grad, pure, state, update, value_and_grad
 from paramstore.module import Module
+from paramstore.object_checkpoint import Checkpoint
 from paramstore.optimizer import Optimizer
 from paramstore.scope import (
     AUTO_REUSE,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AUTO_REUSE",
+    "Checkpoint",
     "CheckpointManager",
     "Function",
     "Module",

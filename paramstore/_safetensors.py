@@ -2,8 +2,12 @@
 
 A checkpoint file is a standard safetensors file: an 8-byte little-endian header length, a
 JSON header, then the raw little-endian bytes of each tensor. In ``__metadata__`` paramstore
-adds a format version and, per tensor, a CRC-32 of its bytes and the true dtype and shape of
-tensors safetensors cannot describe (strings, complex128, ...). ``write_arrays`` streams the
+adds a format version and, per tensor, a checksum of its bytes (format 2: XXH3-64, which runs
+near memory speed; format 1, still read: CRC-32) and the true dtype and shape of tensors
+safetensors cannot describe (strings, complex128, ...). Every tensor of a paramstore file must
+carry its checksum: a missing or renamed checksum entry is itself an error, so no header edit
+turns verification off. A safetensors file from another program (no paramstore metadata) has
+no checksums and is read only when the caller allows unverified data. ``write_arrays`` streams the
 tensors to a temporary file and renames it atomically; ``_Reader`` checks every size in the
 header against the file and every checksum before returning data. Nothing is pickled.
 ``paramstore.checkpoint`` builds Saver and CheckpointManager on this.
@@ -26,28 +30,37 @@ import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
+import jax
 import ml_dtypes
 import numpy as np
+import xxhash
 
-from paramstore.scope import preview_names
+from paramstore._format import (
+    STRING,
+    CheckpointError,
+    PathLike,
+    dtype_name,
+    is_string,
+    no_such_variable,
+)
 
-FORMAT_VERSION = 1
-"""The paramstore layout version written in ``__metadata__["paramstore.format_version"]``."""
+FORMAT_VERSION = 2
+"""The paramstore layout version written in ``__metadata__["paramstore.format_version"]``
+(2: XXH3-64 checksums; version 1 files, CRC-32, are still read)."""
+
+READ_VERSIONS = {1: "crc32", 2: "xxh3"}
+"""The format versions this paramstore reads, and the checksum each one carries."""
 
 _KEY_VERSION = "paramstore.format_version"
 _KEY_TENSORS = "paramstore.tensors"
-_MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+MAX_HEADER = 16 * 2**20  # ~100,000 variables; refused before reading, so parsing stays fast
+MAX_DEPTH = 8  # JSON nesting a header may use (paramstore's own need 3)
 _CHUNK = 16 * 2**20  # bytes per write/read call and checksum job
 _PARALLEL_MIN = 2**20  # smaller buffers are checksummed inline
+_READ_CHUNK = 2**18  # reads are checksummed inline, while the chunk is in the CPU cache
 _BUFFER = 2**20  # write buffer, for many small tensors
-_STRING = np.dtypes.StringDType()
-_NO_CRC = "00000000"
-
-PathLike = str | os.PathLike[str]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is malformed, corrupt, or does not fit the variables."""
+_STRING = STRING
+_DIGITS = {"crc32": 8, "xxh3": 16}
 
 
 # ------------------------------------------------------------------------------- dtypes
@@ -98,12 +111,8 @@ def _is_ml_dtype(dt: np.dtype) -> bool:
     return dt.type.__module__.startswith("ml_dtypes")
 
 
-def _is_string(dt: np.dtype) -> bool:
-    return isinstance(dt, np.dtypes.StringDType)
-
-
-def _dtype_name(dt: np.dtype) -> str:
-    return "string" if _is_string(dt) else dt.name
+_is_string = is_string
+_dtype_name = dtype_name
 
 
 def _little_endian(arr: np.ndarray) -> np.ndarray:
@@ -176,18 +185,43 @@ def _decode_strings(blob: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 # ---------------------------------------------------------------------------- checksums
 
 
-class _Checksums:
-    """CRC-32s computed beside the file I/O. Buffers of at least ``_PARALLEL_MIN`` bytes go
-    to one worker thread (zlib releases the GIL); smaller ones are computed inline, where a
-    thread hand-off would cost more. The worker starts with the first big buffer, or with
-    ``deferred`` only at ``start()``: a writer starts it when its data goes to disk, so the
-    checksums use the CPU while the disk flushes rather than competing with the copies into
-    the page cache."""
+class _Hash:
+    """One running checksum: XXH3-64 (format 2) or CRC-32 (format 1)."""
 
-    def __init__(self, deferred: bool = False) -> None:
+    __slots__ = ("_h", "_crc")
+
+    def __init__(self, algorithm: str) -> None:
+        self._h = xxhash.xxh3_64() if algorithm == "xxh3" else None
+        self._crc = 0
+
+    def update(self, data: memoryview) -> None:
+        if self._h is not None:
+            self._h.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest() if self._h is not None else f"{self._crc:08x}"
+
+
+def checksum(data: Any) -> str:
+    """The XXH3-64 of a buffer, as 16 hex digits (what format 2 and the sharded manifest store)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class _Checksums:
+    """Checksums computed beside the file I/O. Buffers of at least ``_PARALLEL_MIN`` bytes go
+    to one worker thread (xxhash and zlib release the GIL); smaller ones are computed inline,
+    where a thread hand-off would cost more. The worker starts with the first big buffer, or
+    with ``deferred`` only at ``start()``: a writer starts it when its data goes to disk, so
+    the checksums use the CPU while the disk flushes rather than competing with the copies
+    into the page cache."""
+
+    def __init__(self, algorithm: str = "xxh3", deferred: bool = False) -> None:
+        self._algorithm = algorithm
         self._deferred = deferred
-        self._crcs: dict[Any, int] = {}
-        self._jobs: queue.SimpleQueue[tuple[Any, memoryview] | None] = queue.SimpleQueue()
+        self._hashes: dict[Any, _Hash] = {}
+        self._jobs: queue.SimpleQueue[tuple[_Hash, memoryview] | None] = queue.SimpleQueue()
         self._queued = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -205,10 +239,13 @@ class _Checksums:
 
     def add(self, key: Any, data: memoryview) -> None:
         """Checksum ``data`` (appending to earlier data of the same ``key``)."""
+        h = self._hashes.get(key)
+        if h is None:
+            h = self._hashes[key] = _Hash(self._algorithm)
         if data.nbytes < _PARALLEL_MIN:
-            self._crcs[key] = zlib.crc32(data, self._crcs.get(key, 0))
+            h.update(data)
             return
-        self._jobs.put((key, data))
+        self._jobs.put((h, data))
         self._queued = True
         if not self._deferred:
             self.start()
@@ -216,15 +253,17 @@ class _Checksums:
     def start(self) -> None:
         """Start the worker on the queued buffers (once)."""
         if self._queued and self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="paramstore-crc32", daemon=True)
+            self._thread = threading.Thread(
+                target=self._work, name="paramstore-checksum", daemon=True
+            )
             self._thread.start()
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            key, data = job
+            h, data = job
             try:
-                self._crcs[key] = zlib.crc32(data, self._crcs.get(key, 0))
-            except BaseException as e:  # pragma: no cover - zlib does not fail on buffers
+                h.update(data)
+            except BaseException as e:  # pragma: no cover - hashes do not fail on buffers
                 self._error = e
 
     def _stop(self) -> None:
@@ -234,12 +273,12 @@ class _Checksums:
             self._thread = None
 
     def result(self) -> dict[Any, str]:
-        """``{key: 8 hex digits}`` once every checksum is done."""
+        """``{key: hex digest}`` once every checksum is done."""
         self.start()
         self._stop()
         if self._error is not None:
             raise self._error
-        return {k: f"{c:08x}" for k, c in self._crcs.items()}
+        return {k: h.hexdigest() for k, h in self._hashes.items()}
 
 
 # ------------------------------------------------------------------------------- header
@@ -255,7 +294,8 @@ class _Entry:
     end: int
     dtype: np.dtype  # logical
     shape: tuple[int, ...]  # logical
-    crc: str | None
+    checksum: str | None  # None only in a foreign file read unverified
+    algorithm: str
 
     @property
     def nbytes(self) -> int:
@@ -271,7 +311,7 @@ def _build_header(tensors: Sequence[_Tensor], crcs: Mapping[str, str]) -> bytes:
         end = offset + t.data.nbytes
         header[t.name] = {"dtype": t.code, "shape": t.stored_shape, "data_offsets": (offset, end)}
         offset = end
-        info: dict[str, Any] = {"crc32": crcs.get(t.name, _NO_CRC)}
+        info: dict[str, Any] = {"xxh3": crcs.get(t.name, "0" * 16)}
         if t.special is not None:
             info["dtype"], info["shape"] = t.special
         extra[t.name] = info
@@ -293,47 +333,104 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _read_header(f: BinaryIO, size: int) -> tuple[dict[str, _Entry], dict[str, str]]:
-    """Parse and bounds-check the header of an open file of ``size`` bytes (ValueError)."""
-    if size < 8:
-        raise ValueError(f"the file has {size} bytes, less than the 8-byte header length")
-    (n,) = struct.unpack("<Q", f.read(8))
-    if n > min(_MAX_HEADER, size - 8):
-        raise ValueError(f"the header length {n} exceeds the file ({size} bytes) or 100 MiB")
-    raw = f.read(n)
-    try:
-        header = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"the header is not valid JSON ({e})") from None
+class NotACheckpoint(ValueError):
+    """The file is not a safetensors file at all (a README, a TensorFlow index...)."""
+
+
+def _read_header(
+    f: BinaryIO, size: int, allow_unverified: bool = False
+) -> tuple[dict[str, _Entry], dict[str, str]]:
+    """Parse and bounds-check the header of an open file of ``size`` bytes (ValueError).
+
+    The header's size (``MAX_HEADER``) and JSON nesting (``MAX_DEPTH``) are checked before
+    it is parsed. A paramstore file must name a checksum for every tensor; a file without
+    paramstore metadata is refused unless ``allow_unverified``."""
+    start = f.read(9)
+    if len(start) < 9 or start[8:9] != b"{":
+        raise NotACheckpoint("it does not start like a safetensors file")
+    (n,) = struct.unpack("<Q", start[:8])
+    if n > size - 8:
+        raise ValueError(f"the header length {n} exceeds the file ({size} bytes)")
+    if n > MAX_HEADER:
+        raise ValueError(
+            f"the header of {n} bytes exceeds the {MAX_HEADER // 2**20} MiB paramstore reads "
+            "(about 100,000 variables)"
+        )
+    raw = start[8:] + f.read(n - 1)
+    header = _parse_json(raw, "the header")
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("__metadata__ is not a map of strings")
-    extra = _paramstore_metadata(meta)
+    algorithm, extra = _paramstore_metadata(meta, allow_unverified)
     base = 8 + n
-    entries = {name: _parse_entry(name, e, base, extra.get(name)) for name, e in header.items()}
+    entries = {
+        name: _parse_entry(name, e, base, extra.get(name), algorithm) for name, e in header.items()
+    }
+    unknown = extra.keys() - entries.keys()
+    if unknown:
+        raise ValueError(f"{_KEY_TENSORS} describes tensors the file lacks: {sorted(unknown)[:3]}")
     _check_layout(entries, base, size)
     return entries, meta
 
 
-def _paramstore_metadata(meta: Mapping[str, str]) -> dict[str, Any]:
-    """The per-tensor paramstore metadata ({} for a plain safetensors file)."""
+_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _max_depth(raw: bytes) -> int:
+    b = np.frombuffer(raw, dtype=np.uint8)
+    step = ((b == ord("[")) | (b == ord("{"))).astype(np.int64)
+    step -= (b == ord("]")) | (b == ord("}"))
+    return int(np.cumsum(step).max()) if step.size else 0
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON text, outside strings (no parsing).
+    Counting every bracket is fast and an upper bound; strings are stripped (slower) only
+    when that bound is over ``MAX_DEPTH``."""
+    depth = _max_depth(raw)
+    return depth if depth <= MAX_DEPTH else _max_depth(_STRING_RE.sub(b'""', raw))
+
+
+def _parse_json(raw: bytes, what: str) -> Any:
+    """JSON text with at most ``MAX_DEPTH`` levels, without duplicate keys (ValueError)."""
+    depth = json_depth(raw)
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{what} nests {depth} levels deep, more than {MAX_DEPTH}")
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{what} is not valid JSON ({e})") from None
+
+
+def _paramstore_metadata(
+    meta: Mapping[str, str], allow_unverified: bool
+) -> tuple[str | None, dict[str, Any]]:
+    """The checksum algorithm and the per-tensor paramstore metadata. A file without any
+    paramstore key is a foreign safetensors file: ``(None, {})`` if ``allow_unverified``."""
     version = meta.get(_KEY_VERSION)
     if version is None:
-        return {}
-    if version != str(FORMAT_VERSION):
+        if any(k.startswith("paramstore") for k in meta):
+            raise ValueError(f"the header lacks {_KEY_VERSION}")
+        if not allow_unverified:
+            raise ValueError(
+                "it has no paramstore checksums (a safetensors file from another program?), "
+                "so its values cannot be verified; pass allow_unverified=True to read it anyway"
+            )
+        return None, {}
+    algorithm = READ_VERSIONS.get(int(version)) if version.isdigit() else None
+    if algorithm is None:
         raise ValueError(
-            f"paramstore format version {version} is not supported (this paramstore reads "
-            f"version {FORMAT_VERSION}); upgrade paramstore"
+            f"paramstore format version {version!r} is not supported (this paramstore reads "
+            f"versions {sorted(READ_VERSIONS)}); upgrade paramstore"
         )
-    try:
-        extra = json.loads(meta.get(_KEY_TENSORS, "{}"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{_KEY_TENSORS} is not valid JSON ({e})") from None
+    if _KEY_TENSORS not in meta:
+        raise ValueError(f"the header lacks {_KEY_TENSORS}, which holds the checksums")
+    extra = _parse_json(meta[_KEY_TENSORS].encode(), _KEY_TENSORS)
     if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
         raise ValueError(f"{_KEY_TENSORS} is not a map of objects")
-    return extra
+    return algorithm, extra
 
 
 def _shape(value: Any, what: str) -> tuple[int, ...]:
@@ -342,7 +439,9 @@ def _shape(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _parse_entry(name: str, e: Any, base: int, extra: dict[str, Any] | None) -> _Entry:
+def _parse_entry(
+    name: str, e: Any, base: int, extra: dict[str, Any] | None, algorithm: str | None
+) -> _Entry:
     if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
         raise ValueError(f"the entry of '{name}' lacks dtype, shape or data_offsets")
     code = e["dtype"]
@@ -367,13 +466,19 @@ def _parse_entry(name: str, e: Any, base: int, extra: dict[str, Any] | None) -> 
     dtype, shape = _CODES[code], stored_shape
     if "dtype" in extra:
         dtype, shape = _logical(name, code, stored_shape, extra)
-    crc = extra.get("crc32")
-    if crc is not None and not (isinstance(crc, str) and _HEX8.fullmatch(crc)):
-        raise ValueError(f"the crc32 of '{name}' is not 8 hex digits: {crc!r}")
-    return _Entry(name, code, base + start, base + end, dtype, shape, crc)
+    digest = None
+    if algorithm is not None:
+        digest = extra.get(algorithm)
+        digits = _DIGITS[algorithm]
+        if not (isinstance(digest, str) and len(digest) == digits and _HEX.fullmatch(digest)):
+            raise ValueError(
+                f"the {algorithm} checksum of '{name}' is missing or not {digits} hex digits "
+                f"({digest!r})"
+            )
+    return _Entry(name, code, base + start, base + end, dtype, shape, digest, algorithm or "")
 
 
-_HEX8 = re.compile(r"[0-9a-f]{8}")
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def _logical(
@@ -420,7 +525,7 @@ def _temp_path(path: str) -> str:
     return os.path.join(head, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-_TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
 def _fsync_dir(directory: str) -> None:
@@ -446,7 +551,7 @@ def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
     """
     path = os.fspath(path)
     for name in arrays:
-        _check_name(name)
+        check_name(name)
     tensors = [_encode(name, np.asarray(a)) for name, a in arrays.items()]
     tensors.sort(key=lambda t: -t.itemsize)  # so each tensor starts aligned to its itemsize
     directory = os.path.dirname(path)
@@ -454,8 +559,15 @@ def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
         os.makedirs(directory, exist_ok=True)
     tmp = _temp_path(path)
     try:
+        header = _build_header(tensors, {})
+        if len(header) - 8 > MAX_HEADER:
+            raise CheckpointError(
+                f"Cannot save {len(tensors)} variables to '{path}': the header would take "
+                f"{len(header) - 8} bytes, more than the {MAX_HEADER // 2**20} MiB a reader "
+                "accepts. Save fewer, larger variables (or use Saver(..., sharded=True))."
+            )
         with open(tmp, "xb", buffering=_BUFFER) as f:
-            f.write(_build_header(tensors, {}))
+            f.write(header)
             with _Checksums(deferred=True) as checksums:
                 for t in tensors:
                     _write_tensor(f, t, checksums)
@@ -490,7 +602,7 @@ def _write_tensor(f: BinaryIO, t: _Tensor, checksums: _Checksums) -> None:
         f.write(chunk)
 
 
-def _check_name(name: Any) -> None:
+def check_name(name: Any) -> None:
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"A checkpoint name must be a non-empty str, got {name!r}.")
     if name == "__metadata__":
@@ -507,24 +619,35 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
-class _Reader:
-    """An open checkpoint file with its checked header; ``load``/``load_many`` read tensors
-    and verify their checksums."""
+class SafetensorsFile:
+    """An open checkpoint file with its checked header (the ``_format.Reader`` of the
+    single-file format); ``load``/``load_many`` read tensors and verify their checksums."""
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, allow_unverified: bool = False) -> None:
         self.path = os.fspath(path)  # a file: directories are resolved by the caller
         self._f: BinaryIO = open(self.path, "rb", buffering=0)  # noqa: SIM115 - see close()
         try:
             size = os.fstat(self._f.fileno()).st_size
-            self.entries, self.metadata = _read_header(self._f, size)
+            self.entries, self.metadata = _read_header(self._f, size, allow_unverified)
+        except NotACheckpoint as e:
+            self._f.close()
+            raise CheckpointError(
+                f"'{self.path}' is not a paramstore checkpoint: {e}. A checkpoint is a file "
+                "written by ps.Saver, a sharded checkpoint directory, a TensorFlow checkpoint "
+                "prefix or a Keras .weights.h5 file."
+            ) from None
         except ValueError as e:
             self._f.close()
             raise CheckpointError(f"Checkpoint '{self.path}' is corrupt: {e}.") from None
         except BaseException:
             self._f.close()
             raise
+        version = self.metadata.get(_KEY_VERSION)
+        self.description = (
+            f"format version {version}" if version else "plain safetensors, unverified"
+        )
 
-    def __enter__(self) -> _Reader:
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -537,35 +660,47 @@ class _Reader:
         try:
             return self.entries[name]
         except KeyError:
-            raise CheckpointError(
-                f"Checkpoint '{self.path}' has no variable '{name}'"
-                f"{_suggest(name, self.entries)}. Its variables: "
-                f"{preview_names(sorted(self.entries))}."
-            ) from None
+            raise no_such_variable(self.path, name, self.entries) from None
 
-    def load(self, name: str) -> np.ndarray:
-        """The verified value of tensor ``name`` (CheckpointError if absent or corrupt)."""
-        return dict(self.load_many([name]))[name]
+    def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        """``{name: placement}`` -> ``{name: value}``, verified (see ``_format.Reader``).
+        Values are ``jax.device_put`` in batches of ``_CHUNK`` bytes, one call per batch,
+        so host memory holds at most a batch beyond what JAX keeps."""
+        out: dict[str, Any] = {}
+        batch: list[tuple[str, np.ndarray, Any]] = []
+        size = 0
+        for name, arr in self.load_many(wanted):  # raises at the end if a checksum fails
+            placement = wanted[name]
+            if placement is None or _is_string(arr.dtype):
+                out[name] = arr
+                continue
+            batch.append((name, arr, placement))
+            size += arr.nbytes
+            if size >= _CHUNK:
+                out.update(_put(batch))
+                batch, size = [], 0
+        out.update(_put(batch))
+        return out
 
     def load_many(self, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, value)`` for each name, in file order, as soon as each is read.
 
         Checksums are computed beside the reads and verified after the last item: the
         iterator raises CheckpointError instead of finishing if any fails, so a consumer
-        must not act on the values before the iteration ends (``Saver.restore`` assigns
-        only then). ``load`` and ``dict(load_many(...))`` are always verified.
+        must not act on the values before the iteration ends. ``load`` is always verified.
         """
         entries = sorted((self.entry(n) for n in names), key=lambda e: e.start)
-        with _Checksums() as checksums:
+        algorithm = entries[0].algorithm if entries else ""
+        with _Checksums(algorithm or "xxh3") as checksums:
             for e in entries:
                 yield self._decoded(e, self._read(e, checksums))
-            crcs = checksums.result()
+            digests = checksums.result()
         for e in entries:
-            if e.crc is not None and crcs[e.name] != e.crc:
+            if e.checksum is not None and digests[e.name] != e.checksum:
                 raise CheckpointError(
                     f"Checkpoint '{self.path}' is corrupt: the data of variable '{e.name}' "
-                    f"fails its checksum (crc32 {crcs[e.name]}, expected {e.crc}). "
-                    "Restore an older checkpoint."
+                    f"fails its checksum ({e.algorithm} {digests[e.name]}, expected "
+                    f"{e.checksum}). Restore an older checkpoint."
                 )
 
     def _read(self, e: _Entry, checksums: _Checksums) -> np.ndarray:
@@ -576,7 +711,7 @@ class _Reader:
         if not e.nbytes:
             checksums.add(e.name, view)
         while got < e.nbytes:
-            n = self._f.readinto(view[got : got + _CHUNK])  # type: ignore[attr-defined]
+            n = self._f.readinto(view[got : got + _READ_CHUNK])  # type: ignore[attr-defined]
             if not n:
                 raise CheckpointError(
                     f"Checkpoint '{self.path}' is truncated inside variable '{e.name}'."
@@ -594,6 +729,15 @@ class _Reader:
             ) from None
 
 
+def _put(batch: list[tuple[str, np.ndarray, Any]]) -> dict[str, Any]:
+    """One ``jax.device_put`` for the whole batch."""
+    if not batch:
+        return {}
+    names, arrays, shardings = zip(*batch)
+    placed = jax.device_put(list(arrays), list(shardings), may_alias=True)
+    return dict(zip(names, placed))
+
+
 def _decode(e: _Entry, buf: np.ndarray) -> np.ndarray:
     if _is_string(e.dtype):
         return _decode_strings(buf, e.shape)
@@ -602,10 +746,3 @@ def _decode(e: _Entry, buf: np.ndarray) -> np.ndarray:
     if sys.byteorder == "little":
         return buf.view(e.dtype).reshape(e.shape)
     return buf.view(e.dtype.newbyteorder("<")).reshape(e.shape).astype(e.dtype)
-
-
-def _suggest(name: str, names: Iterable[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, list(names), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -1,11 +1,16 @@
 """Checkpoints: ``Saver``, ``CheckpointManager``, ``list_variables``, ``load_variable``.
 
+(``ps.Checkpoint``, object-based, is in ``paramstore.object_checkpoint``; every format
+implements the reader interface of ``paramstore._format``, and ``open_reader`` picks one
+from what is on disk: a paramstore file, a sharded Orbax directory, a TensorFlow
+checkpoint or a Keras ``.weights.h5`` file, the last two read-only.)
+
 Contract (the file format is described in docs/checkpoints.md):
 
 * A checkpoint is one standard safetensors file (readable by ``safetensors.safe_open``):
   an 8-byte little-endian header length, a JSON header, then the raw little-endian bytes
   of each tensor. paramstore adds, in the header's ``__metadata__``, a format version and,
-  per tensor, a CRC-32 of its bytes (checked on every load) and the true dtype and shape of
+  per tensor, an XXH3-64 of its bytes (checked on every load) and the true dtype and shape of
   the tensors that safetensors cannot describe (strings, complex128, ...). Nothing is ever
   pickled or executed on load; every size in the header is checked against the file.
 * ``Saver(var_list)`` saves and restores a fixed set of variables under fixed names: ``None``
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
+import importlib
 import operator
 import os
 import re
@@ -46,31 +51,32 @@ import shutil
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from paramstore import _orbax, _trace
+from paramstore import _orbax, _tf, _trace
 from paramstore import sharding as _sharding
-from paramstore._safetensors import (
-    _CHUNK,
-    _KEY_VERSION,
-    _TEMP_RE,
-    FORMAT_VERSION,
+from paramstore._format import (
     CheckpointError,
     PathLike,
-    _check_name,
-    _dtype_name,
-    _Entry,
-    _is_string,
-    _Reader,
-    _suggest,
+    Reader,
+    dtype_name,
+    is_string,
+    lacks_variables,
+    no_such_variable,
+)
+from paramstore._safetensors import (
+    FORMAT_VERSION,
+    TEMP_RE,
+    SafetensorsFile,
+    check_name,
     write_arrays,
 )
 from paramstore.module import Module
-from paramstore.scope import VariableStore, default_store, preview_names
+from paramstore.scope import VariableStore, default_store
 from paramstore.variable import Variable
 
 __all__ = [
@@ -79,7 +85,7 @@ __all__ = [
     "CheckpointError",
     "list_variables",
     "load_variable",
-    "inspect_main",
+    "open_reader",
     "write_arrays",
     "read_arrays",
     "FORMAT_VERSION",
@@ -87,10 +93,10 @@ __all__ = [
 
 
 def _resolve(path: PathLike) -> str:
-    """A checkpoint file: ``path`` itself, or the latest checkpoint of a manager directory."""
+    """A checkpoint: ``path`` itself, or the latest checkpoint of a manager directory."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        if _orbax.is_checkpoint(path):
+        if _orbax.is_checkpoint(path) or _tf.is_checkpoint_dir(path):
             return path
         found = _scan(path)
         if not found:
@@ -100,54 +106,77 @@ def _resolve(path: PathLike) -> str:
                 "CheckpointManager)."
             )
         return found[-1][1]
-    if not os.path.exists(path):
+    if not os.path.exists(path) and not _tf.is_prefix(path):
         raise FileNotFoundError(f"No checkpoint file or directory '{path}'.")
     return path
 
 
-def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-    """``[(name, shape, dtype)]`` of a checkpoint, sorted by name, read from its header only.
+def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
+    """The ``_format.Reader`` for what is on disk at ``path`` (a manager directory: its
+    latest checkpoint): a sharded (Orbax) directory, a TensorFlow checkpoint prefix (or
+    directory), a Keras ``.weights.h5`` file, or a paramstore file. Close it after use."""
+    resolved = _resolve(path)
+    if os.path.isdir(resolved) and _orbax.is_checkpoint(resolved):
+        return _orbax.ShardedCheckpoint(resolved)
+    if _tf.is_prefix(resolved) or os.path.isdir(resolved):
+        return _tf.TensorFlowCheckpoint(resolved)
+    if _tf.is_hdf5(resolved):
+        return _tf.KerasWeights(resolved)
+    return SafetensorsFile(resolved, allow_unverified)
 
-    ``path`` is a checkpoint file or a CheckpointManager directory (its latest checkpoint).
-    String variables have dtype ``np.dtypes.StringDType()``. Works on sharded (Orbax)
-    checkpoints too, from their metadata alone.
+
+@contextlib.contextmanager
+def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
+    reader = open_reader(path, allow_unverified)
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+def list_variables(
+    path: PathLike, *, allow_unverified: bool = False
+) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """``[(name, shape, dtype)]`` of a checkpoint, sorted by name, read from its header or
+    metadata only.
+
+    ``path`` is a checkpoint file, a sharded checkpoint directory, a CheckpointManager
+    directory (its latest checkpoint), a TensorFlow checkpoint prefix or a Keras
+    ``.weights.h5`` file (both need ``paramstore[tensorflow]``). String variables have dtype
+    ``np.dtypes.StringDType()``. A safetensors file without paramstore checksums is read
+    only with ``allow_unverified=True``.
     """
-    resolved = _resolve(path)
-    if os.path.isdir(resolved):
-        entries = _sharded_entries(resolved)
-        return sorted((e["name"], e["shape"], e["dtype"]) for e in entries.values())
-    with _Reader(resolved) as r:
-        return [(e.name, e.shape, e.dtype) for e in sorted(r.entries.values(), key=_by_name)]
+    with opened(path, allow_unverified) as r:
+        return sorted((e.name, e.shape, e.dtype) for e in r.entries.values())
 
 
-def _by_name(e: _Entry) -> str:
-    return e.name
+def load_variable(path: PathLike, name: str, *, allow_unverified: bool = False) -> np.ndarray:
+    """The value of variable ``name`` in a checkpoint (any ``list_variables`` accepts),
+    checked against its checksum; strings come back as a NumPy string array. Raises
+    CheckpointError if absent or corrupt."""
+    with opened(path, allow_unverified) as r:
+        if name not in r.entries:
+            raise no_such_variable(r.path, name, r.entries)
+        return r.load({name: None})[name]
 
 
-def load_variable(path: PathLike, name: str) -> np.ndarray:
-    """The value of variable ``name`` in a checkpoint (file or manager directory), checked
-    against its checksum. Raises CheckpointError if absent or corrupt."""
-    resolved = _resolve(path)
-    if os.path.isdir(resolved):
-        entries = _sharded_entries(resolved)
-        if name not in entries:
-            raise CheckpointError(
-                f"Checkpoint '{resolved}' has no variable '{name}'{_suggest(name, entries)}. "
-                f"Its variables: {preview_names(sorted(entries))}."
-            )
-        return _sharded_load(resolved, {name: (entries[name], None)})[name]
-    with _Reader(resolved) as r:
-        return r.load(name)
+def read_arrays(path: PathLike, *, allow_unverified: bool = False) -> dict[str, np.ndarray]:
+    """Every value of a checkpoint as ``{name: NumPy array}`` (checksums verified)."""
+    with opened(path, allow_unverified) as r:
+        return r.load(dict.fromkeys(r.entries))
 
 
-def read_arrays(path: PathLike) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint as ``{name: NumPy array}`` (checksums verified)."""
-    resolved = _resolve(path)
-    if os.path.isdir(resolved):
-        entries = _sharded_entries(resolved)
-        return _sharded_load(resolved, {n: (e, None) for n, e in entries.items()})
-    with _Reader(resolved) as r:
-        return dict(r.load_many(r.entries))
+def check_step(step: Any) -> int:
+    """A checkpoint step: a non-negative int (TypeError for bool, float, str...;
+    ValueError for a negative one)."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(
+            f"A checkpoint step must be an int, got {type(step).__name__} {step!r}; pass "
+            "e.g. int(opt.iterations.numpy())."
+        )
+    if step < 0:
+        raise ValueError(f"A checkpoint step must be >= 0, got {step}.")
+    return operator.index(step)
 
 
 # -------------------------------------------------------------------------------- Saver
@@ -157,8 +186,10 @@ class Saver:
     """Saves and restores variables as safetensors checkpoints (see the module docstring).
 
     ``var_list``: None (every live variable of the current default store, listed at each
-    save/restore), a ``{checkpoint_name: Variable}`` dict, a list of Variables, or a Module
-    (both keyed by ``v.name``).
+    save/restore), a ``{checkpoint_name: Variable}`` dict, a list of Variables (Modules and
+    Optimizers in the list stand for their ``.variables``), or a Module; lists and Modules
+    are keyed by ``v.name``. To key variables by where they sit in the model (so a rebuilt
+    model with new store names restores), use ``ps.Checkpoint`` instead.
 
     ``sharded``: the format ``save`` writes. None (the default) picks a sharded Orbax
     checkpoint (a directory; each process writes its own shards) when
@@ -185,7 +216,8 @@ class Saver:
         else:
             raise TypeError(
                 "Saver(var_list) takes None, a dict {name: Variable}, a list of Variables or "
-                f"a ps.Module, got {type(var_list).__name__}."
+                f"a ps.Module, got {type(var_list).__name__}. To save objects by attribute "
+                "path, use ps.Checkpoint(model=..., optimizer=...)."
             )
         self._mapping()  # validate now
 
@@ -199,9 +231,17 @@ class Saver:
             assert self._fixed is not None
             out = self._fixed
         for name, v in out.items():
-            _check_name(name)
+            check_name(name)
             if not isinstance(v, Variable):
-                raise TypeError(f"Saver: '{name}' maps to a {type(v).__name__}, not a ps.Variable.")
+                hint = (
+                    f" To save a {type(v).__name__} under '{name}', use "
+                    f"ps.Checkpoint({name}=...) (keyword names must be identifiers)."
+                    if isinstance(v, Module)
+                    else ""
+                )
+                raise TypeError(
+                    f"Saver: '{name}' maps to a {type(v).__name__}, not a ps.Variable.{hint}"
+                )
         return out
 
     # -- saving
@@ -211,7 +251,7 @@ class Saver:
         of a multi-process run must call it. Returns the path written."""
         path = os.fspath(path)
         if step is not None:
-            path = f"{path}-{operator.index(step)}"
+            path = f"{path}-{check_step(step)}"
         if self._writes_sharded():
             return _orbax.save(path, self._device_values())
         return write_arrays(path, self._snapshot(copy=False))
@@ -230,13 +270,13 @@ class Saver:
 
     def _device_values(self) -> dict[str, Any]:
         """``{checkpoint_name: jax.Array or NumPy string array}``, for a sharded save."""
-        _outside_traces("save")
+        outside_traces("save")
         return {name: _current(name, v, sharded=True) for name, v in self._mapping().items()}
 
     def _snapshot(self, copy: bool) -> dict[str, np.ndarray]:
         """Host copies of the values, ``{checkpoint_name: np.ndarray}``. With ``copy=False``
         an array may still share the device buffer (CPU); ``copy=True`` makes it independent."""
-        _outside_traces("save")
+        outside_traces("save")
         mapping = self._mapping()
         values = {name: _current(name, v) for name, v in mapping.items()}
         if jax.default_backend() != "cpu":  # start every transfer before waiting on any
@@ -247,15 +287,24 @@ class Saver:
 
     # -- restoring
     def restore(
-        self, path: PathLike, allow_missing: bool = False, *, sharding: Any = None
+        self,
+        path: PathLike,
+        allow_missing: bool = False,
+        *,
+        sharding: Any = None,
+        allow_unverified: bool = False,
     ) -> list[Variable]:
-        """Fill the variables in place from a checkpoint (a file, a sharded checkpoint
-        directory, or a manager directory: its latest).
+        """Fill the variables in place from a checkpoint (anything ``list_variables``
+        reads: a file, a sharded directory, a manager directory (its latest), a TensorFlow
+        checkpoint or a Keras ``.weights.h5`` file, whose names you map with a dict).
 
-        Everything is validated and loaded before any variable is assigned; on error no
-        variable changes. Raises CheckpointError for a name missing from the file (unless
-        ``allow_missing``), a shape or dtype that differs, or a corrupt file. Returns the
-        variables skipped because the file lacks them (empty without ``allow_missing``).
+        Everything is validated, read and verified before any variable is assigned; on
+        error no variable changes. Raises CheckpointError for a name missing from the file
+        (unless ``allow_missing``), a shape or dtype that differs, or a corrupt file.
+        Returns the variables skipped because the file lacks them (empty without
+        ``allow_missing``). ``allow_missing=True`` that would restore no variable at all
+        raises CheckpointError too (the names do not match: a rebuilt model? see
+        ``ps.Checkpoint``).
 
         Each value lands on its variable's current sharding, or, with ``sharding``, on a
         new one, which the variable then keeps: a ``Sharding`` or ``Mesh`` (replicated) for
@@ -263,61 +312,50 @@ class Saver:
         None`` (as for ``ps.sharding.reshard``). A target that does not fit its variable's
         shape raises ValueError before anything is read.
         """
-        _outside_traces("restore")
+        outside_traces("restore")
         mapping = self._mapping()
         moves: dict[int, Any] = {}
         if sharding is not None:
             for v, sh in _sharding.plan(list(mapping.values()), sharding):
                 moves[id(v)] = sh
-        resolved = _resolve(path)
-        if os.path.isdir(resolved):
-            return self._restore_sharded(resolved, mapping, allow_missing, moves)
-        with _Reader(resolved) as r:
-            present = {n: v for n, v in mapping.items() if n in r.entries}
-            skipped = [v for n, v in mapping.items() if n not in r.entries]
-            if skipped and not allow_missing:
-                missing = [n for n in mapping if n not in r.entries]
-                raise CheckpointError(
-                    f"Checkpoint '{r.path}' lacks {len(missing)} variable(s) of this Saver: "
-                    f"{preview_names(missing)}{_suggest(missing[0], r.entries)}. Pass "
-                    "allow_missing=True to restore the others."
-                )
-            for name, v in present.items():
-                _check_fits(r.path, r.entries[name], v)
-                _check_assignable(name, v)
-            values = _load_placed(r, present, moves)
-        _assign_all(present, values, moves)
-        return skipped
-
-    def _restore_sharded(
-        self,
-        path: str,
-        mapping: dict[str, Variable],
-        allow_missing: bool,
-        moves: Mapping[int, Any],
-    ) -> list[Variable]:
-        entries = _sharded_entries(path)
-        present = {n: v for n, v in mapping.items() if n in entries}
-        skipped = [v for n, v in mapping.items() if n not in entries]
-        if skipped and not allow_missing:
-            missing = [n for n in mapping if n not in entries]
-            raise CheckpointError(
-                f"Checkpoint '{path}' lacks {len(missing)} variable(s) of this Saver: "
-                f"{preview_names(missing)}{_suggest(missing[0], entries)}. Pass "
-                "allow_missing=True to restore the others."
-            )
-        wanted = {}
-        for name, v in present.items():
-            e = entries[name]
-            if e["shape"] != tuple(v.shape) or e["dtype"] != v.dtype:
-                raise CheckpointError(_mismatch(path, name, e["shape"], e["dtype"], v))
-            _check_assignable(name, v)
-            wanted[name] = (e, None if _is_string(v.dtype) else moves.get(id(v), v.sharding))
-        _assign_all(present, _sharded_load(path, wanted), moves)
-        return skipped
+        with opened(path, allow_unverified) as r:
+            return restore_into(r, mapping, allow_missing, moves)
 
 
-def _assign_all(
+def restore_into(
+    r: Reader,
+    mapping: Mapping[str, Variable],
+    allow_missing: bool,
+    moves: Mapping[int, Any] | None = None,
+    hint: str = "Pass allow_missing=True to restore the others.",
+) -> list[Variable]:
+    """Restore ``{checkpoint name: Variable}`` from an open checkpoint (see
+    ``Saver.restore``); returns the variables the file lacks."""
+    moves = moves or {}
+    entries = r.entries
+    present = {n: v for n, v in mapping.items() if n in entries}
+    missing = [n for n in mapping if n not in entries]
+    if missing and not allow_missing:
+        raise lacks_variables(r.path, missing, entries, hint)
+    if missing and not present:
+        raise CheckpointError(
+            f"Checkpoint '{r.path}' holds none of the {len(mapping)} variable(s) to restore "
+            f"({missing[0]!r}, ...), so allow_missing=True would restore nothing. Its names "
+            "differ: a model rebuilt under new store names (dense_1/...) restores with "
+            "ps.Checkpoint(model=...), which keys variables by attribute path."
+        )
+    placements: dict[str, Any] = {}
+    for name, v in present.items():
+        e = entries[name]
+        if e.shape != tuple(v.shape) or e.dtype != v.dtype:
+            raise CheckpointError(mismatch(r.path, name, e.shape, e.dtype, v))
+        check_assignable(name, v)
+        placements[name] = None if is_string(v.dtype) else moves.get(id(v), v.sharding)
+    assign_all(present, r.load(placements), moves)
+    return [mapping[n] for n in missing]
+
+
+def assign_all(
     present: Mapping[str, Variable], values: Mapping[str, Any], moves: Mapping[int, Any]
 ) -> None:
     """Assign every loaded value (cannot fail: exact shapes, dtypes, placement); a variable
@@ -330,40 +368,26 @@ def _assign_all(
             v.assign(value, read_value=False)
 
 
-def _sharded_entries(path: str) -> dict[str, dict[str, Any]]:
-    try:
-        return {e["name"]: e for e in _orbax.read_metadata(path)}
-    except _orbax.FormatError as e:
-        raise CheckpointError(f"Checkpoint '{path}' is not readable: {e}.") from None
-
-
-def _sharded_load(path: str, wanted: Mapping[str, tuple[dict[str, Any], Any]]) -> dict[str, Any]:
-    try:
-        return _orbax.load(path, wanted)
-    except ImportError:
-        raise
-    except Exception as e:  # Orbax / TensorStore: missing or corrupt array data
-        raise CheckpointError(
-            f"Checkpoint '{path}' could not be read ({type(e).__name__}: {e}). Restore "
-            "another checkpoint."
-        ) from e
-
-
 def _by_full_name(variables: Iterable[Any]) -> dict[str, Variable]:
     out: dict[str, Variable] = {}
-    for v in variables:
-        if not isinstance(v, Variable):
-            raise TypeError(f"Saver: expected ps.Variable, got {type(v).__name__}.")
-        if v.name in out and out[v.name] is not v:
-            raise ValueError(
-                f"Saver: two different variables are named '{v.name}' (from different "
-                "stores?); pass a dict {checkpoint_name: variable} to name them."
-            )
-        out[v.name] = v
+    for item in variables:
+        for v in item.variables if isinstance(item, Module) else (item,):
+            if not isinstance(v, Variable):
+                raise TypeError(
+                    f"Saver: expected ps.Variable (or a Module/Optimizer, for its variables), "
+                    f"got {type(v).__name__}."
+                )
+            if v.name in out and out[v.name] is not v:
+                raise ValueError(
+                    f"Saver: two different variables are named '{v.name}' (from different "
+                    "stores?); pass a dict {checkpoint_name: variable} to name them, or use "
+                    "ps.Checkpoint(model=..., optimizer=...)."
+                )
+            out[v.name] = v
     return out
 
 
-def _outside_traces(what: str) -> None:
+def outside_traces(what: str) -> None:
     if _trace.active():
         raise CheckpointError(
             f"Cannot {what} a checkpoint inside a traced function (ps.function, ps.pure, "
@@ -397,7 +421,7 @@ def _to_host(name: str, x: Any, copy: bool) -> np.ndarray:
     return arr
 
 
-def _check_assignable(name: str, v: Variable) -> None:
+def check_assignable(name: str, v: Variable) -> None:
     if type(v) is not Variable:
         raise TypeError(
             f"Saver: '{name}' is a detached copy of variable '{v.name}' (it went through a "
@@ -405,49 +429,13 @@ def _check_assignable(name: str, v: Variable) -> None:
         )
 
 
-def _check_fits(path: str, e: _Entry, v: Variable) -> None:
-    if e.shape != tuple(v.shape) or e.dtype != v.dtype:
-        raise CheckpointError(_mismatch(path, e.name, e.shape, e.dtype, v))
-
-
-def _mismatch(path: str, name: str, shape: tuple[int, ...], dtype: np.dtype, v: Variable) -> str:
+def mismatch(path: str, name: str, shape: tuple[int, ...], dtype: np.dtype, v: Variable) -> str:
     return (
         f"Checkpoint '{path}' holds '{name}' with shape {shape} and dtype "
-        f"{_dtype_name(dtype)}, but variable '{v.name}' has shape {tuple(v.shape)} and "
-        f"dtype {_dtype_name(v.dtype)}. Restore into a model built with the same "
+        f"{dtype_name(dtype)}, but variable '{v.name}' has shape {tuple(v.shape)} and "
+        f"dtype {dtype_name(v.dtype)}. Restore into a model built with the same "
         "configuration, or leave this variable out of the Saver."
     )
-
-
-def _load_placed(
-    r: _Reader, variables: Mapping[str, Variable], moves: Mapping[int, Any]
-) -> dict[str, Any]:
-    """Each tensor, verified, and put where its variable lives or moves to (``device_put``
-    in batches of ``_CHUNK`` bytes, so host memory holds at most a batch beyond what jax
-    keeps)."""
-    out: dict[str, Any] = {}
-    batch: list[tuple[str, np.ndarray, Any]] = []
-    size = 0
-    for name, arr in r.load_many(variables):  # raises at the end if a checksum fails
-        v = variables[name]
-        if _is_string(v.dtype):
-            out[name] = arr
-            continue
-        batch.append((name, arr, moves.get(id(v), v.sharding)))
-        size += arr.nbytes
-        if size >= _CHUNK:
-            out.update(_put(batch))
-            batch, size = [], 0
-    out.update(_put(batch))
-    return out
-
-
-def _put(batch: list[tuple[str, np.ndarray, Any]]) -> dict[str, Any]:
-    if not batch:
-        return {}
-    names, arrays, shardings = zip(*batch)
-    placed = jax.device_put(list(arrays), list(shardings), may_alias=True)
-    return dict(zip(names, placed))
 
 
 # -------------------------------------------------------------------- CheckpointManager
@@ -476,7 +464,7 @@ def _remove_stale_temps(directory: str) -> None:
     """Delete temporary files left by writers (this host's processes) that no longer run."""
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(directory):
-            m = _TEMP_RE.match(name)
+            m = TEMP_RE.match(name)
             if m and not _pid_alive(int(m["pid"])):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
@@ -524,15 +512,19 @@ class CheckpointManager:
         if max_to_keep is not None and (operator.index(max_to_keep) < 1):
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}.")
         self.directory = os.fspath(directory)
-        if isinstance(saver_or_vars, Saver):
+        self._checkpoint: Any = None  # a ps.Checkpoint, which makes a Saver at each call
+        if isinstance(saver_or_vars, Saver) or hasattr(saver_or_vars, "as_saver"):
             if sharded is not None and sharded != saver_or_vars.sharded:
                 raise ValueError(
-                    "CheckpointManager: sharded= conflicts with the Saver's own setting; "
-                    "give it to the Saver."
+                    "CheckpointManager: sharded= conflicts with the Saver's or Checkpoint's "
+                    "own setting; give it to that object."
                 )
-            self.saver = saver_or_vars
+            if isinstance(saver_or_vars, Saver):
+                self._saver = saver_or_vars
+            else:
+                self._checkpoint = saver_or_vars
         else:
-            self.saver = Saver(saver_or_vars, sharded=sharded)
+            self._saver = Saver(saver_or_vars, sharded=sharded)
         self.max_to_keep = max_to_keep
         self.async_save = bool(async_save)
         self._thread: threading.Thread | None = None
@@ -543,8 +535,17 @@ class CheckpointManager:
             os.makedirs(self.directory, exist_ok=True)
             _remove_stale_temps(self.directory)
 
+    @property
+    def saver(self) -> Saver:
+        """The Saver that writes the checkpoints (for a ``ps.Checkpoint``, made at each
+        call from its objects' attribute paths)."""
+        if self._checkpoint is not None:
+            saver: Saver = self._checkpoint.as_saver()
+            return saver
+        return self._saver
+
     def path_for(self, step: int) -> str:
-        name = f"ckpt-{operator.index(step)}"
+        name = f"ckpt-{check_step(step)}"
         if not self.saver._writes_sharded():
             name += ".safetensors"
         return os.path.join(self.directory, name)
@@ -574,8 +575,9 @@ class CheckpointManager:
         values are copied to host now and the file is written in the background."""
         self.wait()
         path = self.path_for(step)
-        if self.saver._writes_sharded():
-            values = self.saver._device_values()
+        saver = self.saver
+        if saver._writes_sharded():
+            values = saver._device_values()
             if not self.async_save:
                 _orbax.save(path, values)
                 self._prune()
@@ -587,9 +589,9 @@ class CheckpointManager:
             _PENDING.add(self)
             return path
         if not self.async_save:
-            self._write(path, self.saver._snapshot(copy=False))
+            self._write(path, saver._snapshot(copy=False))
             return path
-        arrays = self.saver._snapshot(copy=True)
+        arrays = saver._snapshot(copy=True)
         self._thread = threading.Thread(
             target=self._background, args=(path, arrays), name=f"paramstore-save-{step}"
         )
@@ -613,8 +615,7 @@ class CheckpointManager:
                     else:
                         os.unlink(old)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
+            multihost_utils = importlib.import_module("jax.experimental.multihost_utils")
             multihost_utils.sync_global_devices("paramstore.CheckpointManager.prune")
 
     def _background(self, path: str, arrays: dict[str, np.ndarray]) -> None:
@@ -642,118 +643,18 @@ class CheckpointManager:
 
     def restore_latest(self, allow_missing: bool = False) -> str | None:
         """Restore the latest checkpoint (see ``Saver.restore``); its path, or None if the
-        directory has none."""
+        directory has none. With a ``ps.Checkpoint`` this is ``checkpoint.restore(path)``
+        followed, unless ``allow_missing``, by ``assert_existing_objects_matched()``."""
         path = self.latest_checkpoint
-        if path is not None:
-            self.saver.restore(path, allow_missing=allow_missing)
+        if path is None:
+            return None
+        if self._checkpoint is not None:
+            status = self._checkpoint.restore(path)
+            if not allow_missing:
+                status.assert_existing_objects_matched()
+        else:
+            self._saver.restore(path, allow_missing=allow_missing)
         return path
 
 
 # --------------------------------------------------------------------------- inspection
-
-
-def _human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError
-
-
-def _stats(arr: np.ndarray) -> list[str]:
-    """min, max, mean (over the finite values) and the count of NaN/inf values."""
-    if _is_string(arr.dtype) or not arr.size:
-        return ["-", "-", "-", "-"]
-    if arr.dtype.kind == "c":
-        return ["-", "-", f"{complex(arr.mean()):.6g}", str(int(np.sum(~np.isfinite(arr))))]
-    x = arr.reshape(-1)
-    if x.dtype.kind not in "iu":
-        x = x.astype(np.float64)
-    finite = x[np.isfinite(x)] if x.dtype.kind == "f" else x
-    bad = str(x.size - finite.size)
-    if not finite.size:
-        return ["-", "-", "-", bad]
-    mean = float(np.mean(finite, dtype=np.float64))
-    return [f"{finite.min():.6g}", f"{finite.max():.6g}", f"{mean:.6g}", bad]
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def _inspect_sharded(path: str, values: bool, name: str | None) -> str:
-    entries = _sharded_entries(path)
-    if name is not None and name not in entries:
-        raise CheckpointError(
-            f"Checkpoint '{path}' has no variable '{name}'{_suggest(name, entries)}. "
-            f"Its variables: {preview_names(sorted(entries))}."
-        )
-    chosen = [entries[name]] if name is not None else [entries[n] for n in sorted(entries)]
-    loaded = _sharded_load(path, {e["name"]: (e, None) for e in chosen}) if values else {}
-    head = ["name", "shape", "dtype", "size", "bytes"]
-    rows = [head + (["min", "max", "mean", "nan/inf"] if values else [])]
-    total = 0
-    for e in chosen:
-        size = math.prod(e["shape"])
-        nbytes = (
-            sum(len(t.encode("utf-8")) for t in e["strings"])
-            if _is_string(e["dtype"])
-            else size * e["dtype"].itemsize
-        )
-        total += nbytes
-        row = [e["name"], str(list(e["shape"])), _dtype_name(e["dtype"]), str(size)]
-        row.append(_human(nbytes))
-        if values:
-            row += _stats(loaded[e["name"]])
-        rows.append(row)
-    lines = [
-        f"{path}: {len(chosen)} variables, {_human(total)}, sharded (Orbax), "
-        f"format version {_orbax.VERSION}",
-        _table(rows),
-    ]
-    if values and name is not None:
-        with np.printoptions(threshold=1000, edgeitems=5):
-            lines.append(f"\n{name} =\n{loaded[name]!r}")
-    return "\n".join(lines)
-
-
-def _inspect(path: PathLike, values: bool, name: str | None) -> str:
-    resolved = _resolve(path)
-    if os.path.isdir(resolved):
-        return _inspect_sharded(resolved, values, name)
-    with _Reader(resolved) as r:
-        entries = sorted(r.entries.values(), key=_by_name)
-        if name is not None:
-            entries = [r.entry(name)]
-        head = ["name", "shape", "dtype", "size", "bytes"]
-        rows = [head + (["min", "max", "mean", "nan/inf"] if values else [])]
-        loaded = {}
-        for e in entries:
-            row = [e.name, str(list(e.shape)), _dtype_name(e.dtype)]
-            row += [str(math.prod(e.shape)), _human(e.nbytes)]
-            if values:
-                loaded[e.name] = r.load(e.name)
-                row += _stats(loaded[e.name])
-            rows.append(row)
-        total = sum(e.nbytes for e in entries)
-        version = r.metadata.get(_KEY_VERSION, "none (plain safetensors)")
-        lines = [f"{r.path}: {len(entries)} variables, {_human(total)}, format version {version}"]
-        lines.append(_table(rows))
-    if values and name is not None:
-        with np.printoptions(threshold=1000, edgeitems=5):
-            lines.append(f"\n{name} =\n{loaded[name]!r}")
-    return "\n".join(lines)
-
-
-def inspect_main(path: PathLike, values: bool = False, name: str | None = None) -> int:
-    """``python -m paramstore inspect``: print a checkpoint's variables (name, shape, dtype,
-    size; with ``values`` also min/max/mean, and the full value of ``name``). Returns the exit
-    status: 0, or 1 after printing the error for a missing or corrupt checkpoint."""
-    try:
-        print(_inspect(path, values, name))
-    except (OSError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0

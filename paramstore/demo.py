@@ -4,7 +4,7 @@ What it shows, in about a hundred lines: a ``ps.Module`` of ``ps.nn.Dense`` laye
 their Variables on the first call (reproducible through ``ps.random.set_seed``), an
 ``optax.adam`` optimizer whose state lives in Variables (``ps.Optimizer``), a compiled
 ``@ps.function`` training step that updates the model in place, evaluation, and a
-checkpoint of model and optimizer written with ``ps.CheckpointManager``.
+checkpoint of model and optimizer (a ``ps.Checkpoint``) written with ``ps.CheckpointManager``.
 
 The digits data set (1797 8x8 images) ships with scikit-learn, so nothing is downloaded.
 scikit-learn and tqdm come with the ``demo`` extra: ``pip install 'paramstore[demo]'``.
@@ -183,10 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"test accuracy: {accuracy:.4f}")
 
-        variables = [*model.variables, *opt.variables]
-        manager = ps.CheckpointManager(args.output_dir, variables, max_to_keep=3)
+        ckpt = ps.Checkpoint(model=model, optimizer=opt)
+        manager = ps.CheckpointManager(args.output_dir, ckpt, max_to_keep=3)
         path = manager.save(int(opt.iterations.numpy()))
-        print(f"checkpoint: saved {len(variables)} variables to {os.path.abspath(path)}")
+        count = len(ckpt.variables_by_path())
+        print(f"checkpoint: saved {count} variables to {os.path.abspath(path)}")
         print(f"  inspect it with: python -m paramstore inspect {args.output_dir}")
     return 0
 

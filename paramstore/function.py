@@ -61,7 +61,7 @@ from paramstore._context import STATE_LOCK
 from paramstore._jax import EVAL, current_trace, staging
 from paramstore._store import default_store
 from paramstore.module import Module
-from paramstore.variable import UNOWNED, Variable, VariableSlice, private_copy, write_all
+from paramstore.variable import INITIAL_OVERRIDES, UNOWNED, Variable, VariableSlice, private_copy, write_all
 
 __all__ = ["function", "Function"]
 
@@ -481,7 +481,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     init = init.replace(debug_info=init.debug_info.with_unknown_names())
     values = jax.jit(jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, [])))(*consts)
     for (var, _), value in zip(created, values):
-        var._write(value, owned=True)
+        var._write(INITIAL_OVERRIDES.pop(id(var), value), owned=True)
 
 
 def _static_args(

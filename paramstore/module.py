@@ -165,6 +165,15 @@ class Module:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} '{self._scope_name}' ({len(self.variables)} variables)>"
 
+    # Hook for ps.Checkpoint's deferred restoration (paramstore/object_checkpoint.py): a
+    # restore leaves the values of not-yet-created variables in ``_ps_pending``; assigning
+    # the attribute that holds them (a Variable, a sub-Module, a list...) hands them over.
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        pending = self.__dict__.get("_ps_pending")
+        if pending is not None:
+            pending.attached(self, name, value)
+
 
 def _walk(
     module: Module, predicate: Callable[[Any], bool], seen: set[int], stack: list[int]

@@ -68,7 +68,16 @@ from paramstore._placement import place, placement
 from paramstore._seed import naming
 from paramstore._store import default_store
 
-__all__ = ["Variable", "VariableSlice", "Reference", "UNOWNED", "write_all", "private_copy"]
+__all__ = [
+    "Variable",
+    "VariableSlice",
+    "Reference",
+    "UNOWNED",
+    "INITIAL_OVERRIDES",
+    "write_all",
+    "private_copy",
+    "set_initial_value",
+]
 
 # Eager updates call these directly: jit's C++ dispatch skips jnp's Python argument checks.
 # An owned buffer that nobody else holds is donated into the update (issue figures: a
@@ -87,6 +96,8 @@ _MISSING = object()
 # per-call check of ps.function is one `isdisjoint` while it is empty (the steady state).
 # A dead variable's id may linger: a new variable with that id sets its own mark.
 UNOWNED: set[int] = set()
+# Values given by set_initial_value to variables whose initial value a trace computes.
+INITIAL_OVERRIDES: dict[int, Any] = {}
 
 
 def _traced_context_error(name: str) -> TypeError:
@@ -582,6 +593,23 @@ def write_all(variables: list[Variable], ids: list[int], values: list[Any]) -> N
     deque(map(setattr, variables, repeat("_value"), values), maxlen=0)
     if UNOWNED:
         UNOWNED.difference_update(ids)
+
+
+def set_initial_value(var: Variable, value: Any) -> None:
+    """Give ``var`` the value ``value`` as its state, not as a step of a compiled program:
+    for a variable created in a ``ps.function`` trace whose initial value is still being
+    computed, ``value`` replaces that initial value when the trace completes; otherwise it
+    is written now (also while a trace is active). Used by deferred restoration."""
+    with jax.ensure_compile_time_eval(), _trace.no_frames():
+        new = var._coerce(value, "restore")
+        if isinstance(new, np.ndarray) and not var._is_string:
+            new = jnp.asarray(new)
+    if tuple(new.shape) != var.shape:
+        raise shape_error(var.name, var.shape, tuple(new.shape))
+    if isinstance(var._value, jax.ShapeDtypeStruct):
+        INITIAL_OVERRIDES[id(var)] = new
+    else:
+        var._write(new, owned=_fresh(value, new))
 
 
 def _copy_name(name: str) -> str:

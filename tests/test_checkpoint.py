@@ -148,7 +148,7 @@ def test_file_is_standard_safetensors(tmp_path):
         assert f.get_tensor("wide").dtype == np.uint8  # its true dtype is in the metadata
     tensors = json.loads(meta["paramstore.tensors"])
     assert tensors["wide"] == {
-        "crc32": tensors["wide"]["crc32"],
+        "xxh3": tensors["wide"]["xxh3"],
         "dtype": "complex128",
         "shape": [1],
     }
@@ -167,13 +167,18 @@ def test_tensors_are_aligned_to_their_itemsize(tmp_path):
         assert (n + header[name]["data_offsets"][0]) % a.dtype.itemsize == 0
 
 
-def test_reads_plain_safetensors_files(tmp_path):
-    """Files from other programs (no paramstore metadata, no checksums) load and restore."""
+def test_reads_plain_safetensors_files_only_when_allowed_unverified(tmp_path):
+    """Files from other programs (no paramstore metadata, no checksums) are refused unless the
+    caller accepts unverified data; then they load and restore."""
     path = tmp_path / "foreign.safetensors"
     save_file({"dense/w": np.full((3, 4), 7, np.float32)}, str(path))
-    assert checkpoint.list_variables(path) == [("dense/w", (3, 4), np.dtype(np.float32))]
     w = ps.Variable(np.zeros((3, 4), np.float32), name="dense/w")
-    Saver([w]).restore(path)
+    with pytest.raises(CheckpointError, match="no paramstore checksums.*allow_unverified"):
+        Saver([w]).restore(path)
+    assert np.all(w.numpy() == 0)
+    listed = checkpoint.list_variables(path, allow_unverified=True)
+    assert listed == [("dense/w", (3, 4), np.dtype(np.float32))]
+    Saver([w]).restore(path, allow_unverified=True)
     assert np.all(w.numpy() == 7)
 
 

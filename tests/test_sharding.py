@@ -31,6 +31,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,7 +202,7 @@ def test_sharded_checkpoint_round_trip_in_one_process(tmp_path, capsys):
     ps.Saver([w, s, e]).restore(path)
     np.testing.assert_array_equal(w.numpy(), np.arange(6.0).reshape(2, 3))
     assert s.numpy().tolist() == ["a", "béta"]
-    assert ps.checkpoint.inspect_main(path, values=True) == 0
+    assert importlib.import_module("paramstore.cli").inspect(path, values=True) == 0
     assert "sharded (Orbax)" in capsys.readouterr().out
 
 
