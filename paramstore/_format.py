@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from paramstore.scope import preview_names
+from paramstore._store import preview_names
 
 PathLike = str | os.PathLike[str]
 STRING = np.dtypes.StringDType()

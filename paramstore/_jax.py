@@ -38,6 +38,7 @@ __all__ = [
     "tracer_in",
     "trace_of",
     "in_trace",
+    "pure_jaxpr",
     "ConcretizationError",
 ]
 
@@ -81,6 +82,12 @@ def ref_in(trace: Any, value: Any) -> Any:
 def tracer_in(trace: Any, const: Any) -> Any:
     """``const`` as a tracer of the staging ``trace``: a constant of its jaxpr."""
     return trace.to_jaxpr_tracer(const, _source_info.current())
+
+
+def pure_jaxpr(closed: Any) -> Any:
+    """``closed`` with its refs discharged (a pure jaxpr with the same outputs), so that
+    dead-code elimination sees true data dependence rather than keeping every effect."""
+    return _discharge.discharge_state(closed, should_discharge=False)
 
 
 # ------------------------------------------------------- while_loop state discharge fix

@@ -159,6 +159,10 @@ def _alias(value: Any) -> Any:
     """A new Python object for the same buffer(s), so that each variable's constant has its
     own identity in a jaxpr even when two variables share one array."""
     if isinstance(value, jax.Array) and not isinstance(value, Tracer):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # a typed key array
+            with jax.ensure_compile_time_eval():  # concrete, not ops of the current trace
+                data = jax.random.key_data(value)
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
         shards = [s.data for s in value.addressable_shards]
         return jax.make_array_from_single_device_arrays(value.shape, value.sharding, shards)
     return value

@@ -58,7 +58,7 @@ from jax._src.interpreters import partial_eval as pe
 from paramstore import _trace
 from paramstore import sharding as _sharding
 from paramstore._context import STATE_LOCK
-from paramstore._jax import EVAL, current_trace, staging
+from paramstore._jax import EVAL, current_trace, pure_jaxpr, staging
 from paramstore._store import default_store
 from paramstore.module import Module
 from paramstore.variable import INITIAL_OVERRIDES, UNOWNED, Variable, VariableSlice, private_copy, write_all
@@ -461,6 +461,7 @@ class Function:
 def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) -> None:
     """Compute the initial values of the variables created (with traced values) during the
     trace ``closed``: run the part of the jaxpr they depend on, once, and write them."""
+    closed = pure_jaxpr(closed)
     jaxpr = closed.jaxpr
     n_out, n_created = len(jaxpr.outvars), len(created)
     names = ", ".join(f"'{v.name}'" for v, _ in created)
@@ -487,16 +488,50 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
 def _static_args(
     fn: Callable[..., Any], nums: int | Iterable[int], names: str | Iterable[str]
 ) -> tuple[frozenset[int], frozenset[str]]:
-    """Static positions and names, each completed from the other through the signature."""
-    nums = (nums,) if isinstance(nums, int) else tuple(nums)
-    names = (names,) if isinstance(names, str) else tuple(names)
-    num_set, name_set = set(nums), set(names)
+    """Static positions and names, each completed from the other through the signature.
+    Like ``jax.jit``: a position past the parameters or an unknown name is a ValueError
+    (unless ``fn`` takes ``*args`` / ``**kwargs``); a wrong type is a TypeError."""
+    nums = (nums,) if isinstance(nums, int) else nums
+    names = (names,) if isinstance(names, str) else names
+    try:
+        nums = tuple(nums)
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(
+            "static_argnums must be an int or a sequence of ints and static_argnames a str or "
+            f"a sequence of str; got static_argnums={nums!r}, static_argnames={names!r}."
+        ) from None
+    bad = [i for i in nums if isinstance(i, bool) or not isinstance(i, int)]
+    bad += [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(
+            f"static_argnums takes ints and static_argnames takes str; got {bad[0]!r} "
+            f"({type(bad[0]).__name__})."
+        )
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        params = []
+        return frozenset(nums), frozenset(names)
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    var_args = any(p.kind == p.VAR_POSITIONAL for p in params)
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    label = getattr(fn, "__name__", "the function")
     for i in nums:
+        if not var_args and not -len(positional) <= i < len(positional):
+            raise ValueError(
+                f"static_argnums {i} is out of range: {label}() takes {len(positional)} "
+                f"positional argument(s) ({', '.join(positional) or 'none'})."
+            )
+    for n in names:
+        if not var_kw and n not in keywords:
+            raise ValueError(
+                f"static_argnames {n!r} is not a parameter of {label}() (its parameters: "
+                f"{', '.join(keywords) or 'none'})."
+            )
+    num_set = {i % len(positional) if i < 0 and positional else i for i in nums}
+    name_set = set(names)
+    for i in num_set:
         if 0 <= i < len(positional):
             name_set.add(positional[i])
     for n in names:

@@ -44,7 +44,7 @@ from paramstore.checkpoint import (
 )
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
-from paramstore.scope import preview_names
+from paramstore._store import preview_names
 from paramstore.variable import Variable, set_initial_value
 
 __all__ = ["Checkpoint", "CheckpointStatus"]

@@ -49,6 +49,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "checkpoint",
             "checkpoint.*",
+            "object_checkpoint",
+            "_format",
             "_checkpoint*",
             "_safetensors",
             "_orbax",
