@@ -4,6 +4,7 @@ See ``docs/api.md`` for the reference; each module's docstring states its part o
 """
 
 from paramstore import checkpoint, initializers, nn, random
+from paramstore._placement import device
 from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.function import Function, function
@@ -19,7 +20,6 @@ from paramstore.scope import (
     name_scope,
     variable_scope,
 )
-from paramstore._placement import device
 from paramstore.variable import Reference, Variable, VariableSlice
 
 __version__ = "0.1.0"

@@ -43,9 +43,7 @@ ctx = _Context()
 def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
     """``name`` under the current scopes (all of them, or only the variable scopes)."""
     parts = [
-        s.name
-        for s in ctx.scopes
-        if s.name and (s.is_variable_scope or not variable_scopes_only)
+        s.name for s in ctx.scopes if s.name and (s.is_variable_scope or not variable_scopes_only)
     ]
     return "/".join([*parts, name]) if parts else name
 

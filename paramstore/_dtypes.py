@@ -38,7 +38,6 @@ def is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-
 def canonical_dtype(dtype: Any, what: str) -> np.dtype:
     if dtype is str or dtype is np.str_:
         return STRING

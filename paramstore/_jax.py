@@ -109,7 +109,7 @@ def _while_rule(
     is_ref = [isinstance(a, AbstractRef) and s for a, s in zip(in_avals, should_discharge)]
     cond_writes = any(isinstance(e, WriteEffect) for e in _core.positional_effects(cond_jaxpr))
     if not any(is_ref[:cond_nconsts]) or any(is_ref[n_consts:]) or cond_writes:
-        return _jax_while_rule(  # type: ignore[no-any-return]
+        return _jax_while_rule(  # type: ignore[no-any-return,return-value]
             should_discharge,
             in_avals,
             out_avals,
@@ -127,7 +127,9 @@ def _while_rule(
         if not is_ref[i]:
             slot.append(-1)
             continue
-        same = [k for k, j in enumerate(firsts) if in_avals[j] is in_avals[i] and args[j] is args[i]]
+        same = [
+            k for k, j in enumerate(firsts) if in_avals[j] is in_avals[i] and args[j] is args[i]
+        ]
         slot.append(same[0] if same else len(firsts))
         if not same:
             firsts.append(i)

@@ -61,7 +61,14 @@ from paramstore._context import STATE_LOCK
 from paramstore._jax import EVAL, current_trace, pure_jaxpr, staging
 from paramstore._store import default_store
 from paramstore.module import Module
-from paramstore.variable import INITIAL_OVERRIDES, UNOWNED, Variable, VariableSlice, private_copy, write_all
+from paramstore.variable import (
+    INITIAL_OVERRIDES,
+    UNOWNED,
+    Variable,
+    VariableSlice,
+    private_copy,
+    write_all,
+)
 
 __all__ = ["function", "Function"]
 
@@ -457,7 +464,6 @@ class Function:
         return f"<ps.function {getattr(self, '__qualname__', self._fn)!s}>"
 
 
-
 def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) -> None:
     """Compute the initial values of the variables created (with traced values) during the
     trace ``closed``: run the part of the jaxpr they depend on, once, and write them."""
@@ -501,7 +507,7 @@ def _static_args(
             "static_argnums must be an int or a sequence of ints and static_argnames a str or "
             f"a sequence of str; got static_argnums={nums!r}, static_argnames={names!r}."
         ) from None
-    bad = [i for i in nums if isinstance(i, bool) or not isinstance(i, int)]
+    bad: list[Any] = [i for i in nums if isinstance(i, bool) or not isinstance(i, int)]
     bad += [n for n in names if not isinstance(n, str)]
     if bad:
         raise TypeError(

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from paramstore import _trace
 from paramstore._format import CheckpointError, PathLike, is_string
+from paramstore._store import preview_names
 from paramstore.checkpoint import (
     Saver,
     assign_all,
@@ -44,7 +44,6 @@ from paramstore.checkpoint import (
 )
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
-from paramstore._store import preview_names
 from paramstore.variable import Variable, set_initial_value
 
 __all__ = ["Checkpoint", "CheckpointStatus"]

@@ -165,7 +165,9 @@ def get_variable(
         return var
 
 
-def _create(full: str, shp: tuple[int, ...] | None, dt: Any, initializer: Any, trainable: bool) -> Variable:
+def _create(
+    full: str, shp: tuple[int, ...] | None, dt: Any, initializer: Any, trainable: bool
+) -> Variable:
     if initializer is None or isinstance(initializer, type):
         if shp is None:
             raise ValueError(f"get_variable('{full}') needs a shape (or a concrete initializer).")
@@ -200,8 +202,7 @@ def _as_shape(shape: Any, full: str) -> tuple[int, ...]:
         out = tuple(operator.index(d) for d in dims)
     except TypeError:
         raise TypeError(
-            f"get_variable('{full}'): shape must be an int or a sequence of ints, got "
-            f"{shape!r}."
+            f"get_variable('{full}'): shape must be an int or a sequence of ints, got {shape!r}."
         ) from None
     if any(d < 0 for d in out):
         raise ValueError(f"get_variable('{full}'): shape {out} has a negative dimension.")

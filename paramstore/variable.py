@@ -40,8 +40,8 @@ from __future__ import annotations
 import operator
 import sys
 from collections import deque
-from contextlib import nullcontext
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from itertools import repeat
 from typing import Any
 
@@ -107,7 +107,6 @@ def _traced_context_error(name: str) -> TypeError:
         "leaked tracer, or the assign would run once at trace time only. Decorate the "
         "function with @ps.function, or make it pure with ps.pure(fn, variables)."
     )
-
 
 
 def _unwrap(x: Any) -> Any:
@@ -398,7 +397,7 @@ class Variable(_ArrayOps):
         with STATE_LOCK:
             value = self._value
         if not self._is_string:
-            value = jnp.array(value, copy=True)
+            value = jnp.array(value, copy=True)  # type: ignore[assignment]
         new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
         memo[id(self)] = new
         return new

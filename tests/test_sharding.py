@@ -23,6 +23,7 @@ if __name__ == "__main__":  # the multi-device subprocess: before jax is importe
 import contextlib
 import fcntl
 import functools
+import importlib
 import json
 import re
 import subprocess
@@ -30,8 +31,6 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-
-import importlib
 
 import jax
 import jax.numpy as jnp

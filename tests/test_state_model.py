@@ -265,7 +265,9 @@ def test_generator_is_reproducible_fresh_and_checkpointable(tmp_path):
     ps.Saver({"rng": g1.state}).restore(path)  # the stream resumes from the checkpoint
     np.testing.assert_array_equal(np.stack(draws(g1, 2)), np.stack(expected))
     parts = g1.split(2)
-    assert not np.array_equal(np.asarray(parts[0].uniform((2,))), np.asarray(parts[1].uniform((2,))))
+    assert not np.array_equal(
+        np.asarray(parts[0].uniform((2,))), np.asarray(parts[1].uniform((2,)))
+    )
 
 
 def test_typed_key_arrays_can_be_held():
