@@ -59,13 +59,14 @@ def _nbytes(v: Variable) -> int:
         return 0
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+def human_bytes(nbytes: int) -> str:
+    """``512 B``, ``1.5 KiB``, ``2.0 MiB``: a byte count for people."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    return f"{n} B"  # pragma: no cover
+    raise AssertionError  # unreachable: the loop returns at GiB
 
 
 def _table(obj: Any) -> tuple[str, list[tuple[str, ...]], list[str]]:
@@ -79,9 +80,9 @@ def _table(obj: Any) -> tuple[str, list[tuple[str, ...]], list[str]]:
     nbytes = sum(_nbytes(v) for _, v in items)
     tbytes = sum(_nbytes(v) for _, v in items if v.trainable)
     totals = [
-        f"Total params: {total:,} ({_human(nbytes)})",
-        f"Trainable params: {trainable:,} ({_human(tbytes)})",
-        f"Non-trainable params: {total - trainable:,} ({_human(nbytes - tbytes)})",
+        f"Total params: {total:,} ({human_bytes(nbytes)})",
+        f"Trainable params: {trainable:,} ({human_bytes(tbytes)})",
+        f"Non-trainable params: {total - trainable:,} ({human_bytes(nbytes - tbytes)})",
     ]
     if not items and getattr(obj, "built", True) is False:
         totals.insert(0, "(not built yet: the layer creates its variables on its first call)")

@@ -344,14 +344,7 @@ def restore_into(
             "differ: a model rebuilt under new store names (dense_1/...) restores with "
             "ps.Checkpoint(model=...), which keys variables by attribute path."
         )
-    placements: dict[str, Any] = {}
-    for name, v in present.items():
-        e = entries[name]
-        if e.shape != tuple(v.shape) or e.dtype != v.dtype:
-            raise CheckpointError(mismatch(r.path, name, e.shape, e.dtype, v))
-        check_assignable(name, v)
-        placements[name] = None if is_string(v.dtype) else moves.get(id(v), v.sharding)
-    assign_all(present, r.load(placements), moves)
+    assign_all(present, r.load(placements_for(r.path, entries, present, moves)), moves)
     return [mapping[n] for n in missing]
 
 
@@ -419,6 +412,21 @@ def _to_host(name: str, x: Any, copy: bool) -> np.ndarray:
     if copy and any(d.platform == "cpu" for d in x.devices()):
         arr = arr.copy()  # on CPU np.asarray shares the device buffer, which a donation may reuse
     return arr
+
+
+def placements_for(
+    path: str, entries: Mapping[str, Any], present: Mapping[str, Variable], moves: Mapping[int, Any]
+) -> dict[str, Any]:
+    """Where each value of ``present`` goes (its variable's sharding, or a new one from
+    ``moves``), after checking that every entry fits its variable; raises before loading."""
+    placements: dict[str, Any] = {}
+    for name, v in present.items():
+        e = entries[name]
+        if e.shape != tuple(v.shape) or e.dtype != v.dtype:
+            raise CheckpointError(mismatch(path, name, e.shape, e.dtype, v))
+        check_assignable(name, v)
+        placements[name] = None if is_string(v.dtype) else moves.get(id(v), v.sharding)
+    return placements
 
 
 def check_assignable(name: str, v: Variable) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from paramstore import checkpoint
 from paramstore._format import CheckpointError, EntryInfo, PathLike, dtype_name, is_string
+from paramstore._summary import human_bytes
 
 
 def escape(text: str) -> str:
@@ -38,15 +39,6 @@ def escape(text: str) -> str:
         else:
             out.append(ascii(ch)[1:-1])
     return "".join(out)
-
-
-def human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError
 
 
 def stats(arr: np.ndarray) -> list[str]:
@@ -85,7 +77,7 @@ def render(path: PathLike, values: bool = False, name: str | None = None) -> str
         rows = [head + (["min", "max", "mean", "nan/inf"] if values else [])]
         for e in entries:
             row = [escape(e.name), str(list(e.shape)), dtype_name(e.dtype)]
-            row += [str(math.prod(e.shape)), human(e.nbytes)]
+            row += [str(math.prod(e.shape)), human_bytes(e.nbytes)]
             if values:
                 row += stats(loaded[e.name])
             rows.append(row)
@@ -93,7 +85,7 @@ def render(path: PathLike, values: bool = False, name: str | None = None) -> str
         total = sum(e.nbytes for e in entries)
         lines = [
             f"{escape(r.path)}: {len(entries)} variables, {params:,} parameters, "
-            f"{human(total)}, {r.description}",
+            f"{human_bytes(total)}, {r.description}",
             table(rows),
         ]
     if values and len(entries) == 1:

@@ -32,15 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from paramstore._format import CheckpointError, PathLike, is_string
+from paramstore._format import CheckpointError, PathLike
 from paramstore._store import preview_names
 from paramstore.checkpoint import (
     Saver,
     assign_all,
-    check_assignable,
     mismatch,
     opened,
     outside_traces,
+    placements_for,
 )
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
@@ -259,13 +259,7 @@ class Checkpoint:
                     found = _deepest_module(name, modules)
                     if found is not None:
                         later[name] = found
-            placements: dict[str, Any] = {}
-            for name, v in present.items():
-                e = entries[name]
-                if e.shape != tuple(v.shape) or e.dtype != v.dtype:
-                    raise CheckpointError(mismatch(reader.path, name, e.shape, e.dtype, v))
-                check_assignable(name, v)
-                placements[name] = None if is_string(v.dtype) else v.sharding
+            placements = placements_for(reader.path, entries, present, {})
             placements.update(dict.fromkeys(later))
             values = reader.load(placements)
         assign_all(present, {n: values[n] for n in present}, {})
