@@ -12,8 +12,6 @@ Rows, all measured in one run, variants taking turns within each repeat (medians
 * ``ps.function``: ``examples/transformer.py``'s own step (ps.nn model, ``ps.Optimizer``).
 * fused rows: K steps in one call, by ``jax.lax.scan`` (hand-written, and the example's
   ``ps.function`` whose scan body calls ``opt.apply_gradients``); tokens/s.
-  The ``ps.function`` fused row needs variables assigned inside ``lax.scan`` (issue 9):
-  without that it prints ``n/a (needs core)``.
 """
 
 from __future__ import annotations
@@ -193,11 +191,7 @@ def variants(cfg: Any, k: int, data: tuple[np.ndarray, np.ndarray]) -> dict[str,
         out["jax.jit, donated (reference)"] = (run_jit, 1)
         out["ps.function + ps.nn"] = (run_ps, 1)
         out[f"jax.jit, {k} steps fused (lax.scan)"] = (run_jit_fused, k)
-        try:
-            jax.block_until_ready(run_ps_fused(1))
-            out[f"ps.function, {k} steps fused (lax.scan)"] = (run_ps_fused, k)
-        except jax.errors.UnexpectedTracerError:
-            out[f"ps.function, {k} steps fused (lax.scan)"] = (None, k)
+        out[f"ps.function, {k} steps fused (lax.scan)"] = (run_ps_fused, k)
         # keep the model alive with the closures
         out["_keep"] = (model, opt)
     return out
@@ -221,14 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     data = ex.batches(tokens, cfg.batch_size, cfg.seq_len, np.random.default_rng(0), k)
     found = variants(cfg, k, data)
     found.pop("_keep")
-    times: dict[str, list[float]] = {name: [] for name, (run, _) in found.items() if run}
+    times: dict[str, list[float]] = {name: [] for name in found}
     for run, _ in found.values():  # warm up: compile
-        if run:
-            jax.block_until_ready(run(1))
+        jax.block_until_ready(run(1))
     for _ in range(args.repeats):
         for name, (run, per_call) in found.items():
-            if run is None:
-                continue
             t0 = time.perf_counter()
             jax.block_until_ready(run(steps // per_call))
             times[name].append((time.perf_counter() - t0) / steps)
@@ -243,9 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {'variant':<40} | ms/step | ratio | tokens/s |")
     print(f"|{'-' * 42}|--------:|------:|---------:|")
     for name in found:
-        if name not in times:
-            print(f"| {name:<40} | n/a (needs core) | | |")
-            continue
         t = statistics.median(times[name])
         print(f"| {name:<40} | {t * 1e3:7.2f} | {t / ref:5.2f} | {tokens_per_step / t:8,.0f} |")
     return 0

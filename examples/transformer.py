@@ -214,16 +214,10 @@ def save_and_restore(
     ``(path, eval loss before, eval loss of the restored model)``."""
     evaluate = ps.function(lambda x, y: loss_fn(model(x), y))
     before = float(evaluate(*eval_batch))
-    if hasattr(ps, "Checkpoint"):
-        path = ps.Checkpoint(model=model, optimizer=opt).save(str(directory / "ckpt"))
-    else:  # until ps.Checkpoint lands: a Saver over the store names
-        path = ps.Saver([*model.variables, *opt.variables]).save(directory / "ckpt")
-    with ps.VariableStore():  # "a new process": same names, fresh values
+    path = ps.Checkpoint(model=model, optimizer=opt).save(str(directory / "ckpt"))
+    with ps.VariableStore():  # "a new process": fresh values, keyed by attribute path
         model2, opt2 = build(config)
-        if hasattr(ps, "Checkpoint"):
-            ps.Checkpoint(model=model2, optimizer=opt2).restore(path)
-        else:
-            ps.Saver([*model2.variables, *opt2.variables]).restore(path)
+        ps.Checkpoint(model=model2, optimizer=opt2).restore(path).assert_consumed()
         assert int(opt2.iterations.numpy()) == int(opt.iterations.numpy())
         after = float(ps.function(lambda x, y: loss_fn(model2(x), y))(*eval_batch))
     return str(path), before, after
@@ -267,16 +261,7 @@ def train(
             n = min(k, config.steps - done) if k else 1
             xs, ys = batches(tokens, config.batch_size, config.seq_len, rng, n)
             if k:
-                try:
-                    chunk = np.asarray(fused(xs, ys)).tolist()
-                except jax.errors.UnexpectedTracerError:
-                    print(
-                        "note: this paramstore cannot assign variables inside lax.scan yet "
-                        "(issue 9); running the steps one ps.function call each instead.",
-                        file=out,
-                    )
-                    k = 0
-                    continue
+                chunk = np.asarray(fused(xs, ys)).tolist()
             else:
                 chunk = [float(step(xs[0], ys[0]))]
             losses.extend(chunk)
