@@ -267,7 +267,7 @@ def main() -> None:
         f"jax {jax.__version__} on {jax.devices()[0].platform}; orbax: "
         f"{'yes' if ocp is not None else 'not installed'}; median of {repeats}"
     )
-    root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
+    root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=os.path.abspath(args.dir))
     try:
         for case in cases(args.small):
             print_table(case, *bench_case(case, root, repeats))
