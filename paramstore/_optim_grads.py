@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey, SequenceKey
 
+from paramstore._collect import variables_of
 from paramstore.module import Module
 from paramstore.scope import preview_names
 from paramstore.variable import Variable
@@ -38,6 +39,15 @@ def optimizable(var: Variable) -> bool:
         return var.trainable and bool(jnp.issubdtype(var.dtype, jnp.inexact))
     except TypeError:  # strings
         return False
+
+
+def _holds_many(x: Any) -> bool:
+    """Whether ``x`` (an item of a list) is itself a collection of variables."""
+    if isinstance(x, Variable):
+        return False
+    if isinstance(x, (Module, list, tuple, Mapping)):
+        return True
+    return isinstance(getattr(x, "state", None), Variable) or hasattr(x, "variables")
 
 
 def _error(msg: str, exc: type[Exception] = ValueError) -> Exception:
@@ -66,15 +76,22 @@ class Targets:
             kind, keys = "module", [v.name for v in found]
         elif isinstance(variables, Mapping):
             kind, keys, found = "dict", list(variables), list(variables.values())
-        elif isinstance(variables, (list, tuple)):
+        elif isinstance(variables, (list, tuple)) and not any(map(_holds_many, variables)):
             kind = "list" if isinstance(variables, list) else "tuple"
             keys, found = [], list(variables)
-        else:
-            hint = " (wrap it in a list: [v])" if isinstance(variables, Variable) else ""
+        elif isinstance(variables, Variable):
             raise TypeError(
-                "ps.Optimizer expects its variables as a list or tuple of Variables, a dict "
-                f"{{key: Variable}} or a Module, got a {type(variables).__name__}{hint}."
+                "ps.Optimizer expects its variables as a collection (gradients come back in "
+                "its structure): a list or tuple of Variables, a dict {key: Variable}, a "
+                "Module, or any collection ps.grad accepts; got one Variable (wrap it in a "
+                "list: [v])."
             )
+        else:  # nested lists, Modules and Optimizers in a list, a store, a Generator...:
+            try:  # the shared parser's order, as a list
+                found = variables_of(variables)
+            except TypeError as e:
+                raise TypeError(f"ps.Optimizer: {e}") from None
+            kind, keys = "list", []
         for k, v in zip(keys if kind == "dict" else range(len(found)), found):
             if not isinstance(v, Variable):
                 where = f"key {k!r}" if kind == "dict" else f"position {k}"

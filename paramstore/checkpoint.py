@@ -51,7 +51,7 @@ import shutil
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -59,6 +59,7 @@ import numpy as np
 
 from paramstore import _orbax, _tf, _trace
 from paramstore import sharding as _sharding
+from paramstore._collect import named
 from paramstore._format import (
     CheckpointError,
     PathLike,
@@ -75,8 +76,7 @@ from paramstore._safetensors import (
     check_name,
     write_arrays,
 )
-from paramstore.module import Module
-from paramstore.scope import VariableStore, default_store
+from paramstore.scope import default_store
 from paramstore.variable import Variable
 
 __all__ = [
@@ -202,47 +202,26 @@ class Saver:
         if sharded is not None and not isinstance(sharded, bool):
             raise TypeError(f"Saver: sharded must be None, True or False, got {sharded!r}.")
         self.sharded = sharded
-        self._store: VariableStore | None = None
-        self._module: Module | None = None
-        self._fixed: dict[str, Variable] | None = None
-        if var_list is None:
-            self._store = default_store()
-        elif isinstance(var_list, Module):
-            self._module = var_list
-        elif isinstance(var_list, Mapping):
-            self._fixed = dict(var_list)
-        elif isinstance(var_list, (list, tuple)):
-            self._fixed = _by_full_name(var_list)
-        else:
-            raise TypeError(
-                "Saver(var_list) takes None, a dict {name: Variable}, a list of Variables or "
-                f"a ps.Module, got {type(var_list).__name__}. To save objects by attribute "
-                "path, use ps.Checkpoint(model=..., optimizer=...)."
-            )
+        if isinstance(var_list, Mapping):
+            var_list = dict(var_list)  # a snapshot of the names, as a list would be
+        self._source: Any = default_store() if var_list is None else var_list
         self._mapping()  # validate now
 
     def _mapping(self) -> dict[str, Variable]:
-        """``{checkpoint_name: Variable}`` as it stands now."""
-        if self._store is not None:
-            out = _by_full_name(self._store.variables())
-        elif self._module is not None:
-            out = _by_full_name(self._module.variables)
-        else:
-            assert self._fixed is not None
-            out = self._fixed
-        for name, v in out.items():
+        """``{checkpoint_name: Variable}`` as it stands now (a store or a Module is read
+        again at every save and restore, so variables created later are included)."""
+        try:
+            names, found = named(self._source, strings=True)
+        except TypeError as e:
+            raise TypeError(
+                f"Saver: {e} To save objects by attribute path, use "
+                "ps.Checkpoint(model=..., optimizer=...)."
+            ) from None
+        except ValueError as e:
+            raise ValueError(f"Saver: {e}") from None
+        for name in names:
             check_name(name)
-            if not isinstance(v, Variable):
-                hint = (
-                    f" To save a {type(v).__name__} under '{name}', use "
-                    f"ps.Checkpoint({name}=...) (keyword names must be identifiers)."
-                    if isinstance(v, Module)
-                    else ""
-                )
-                raise TypeError(
-                    f"Saver: '{name}' maps to a {type(v).__name__}, not a ps.Variable.{hint}"
-                )
-        return out
+        return dict(zip(names, found))
 
     # -- saving
     def save(self, path: PathLike, step: int | None = None) -> str:
@@ -359,25 +338,6 @@ def assign_all(
             v._write(value, owned=True)
         else:
             v.assign(value, read_value=False)
-
-
-def _by_full_name(variables: Iterable[Any]) -> dict[str, Variable]:
-    out: dict[str, Variable] = {}
-    for item in variables:
-        for v in item.variables if isinstance(item, Module) else (item,):
-            if not isinstance(v, Variable):
-                raise TypeError(
-                    f"Saver: expected ps.Variable (or a Module/Optimizer, for its variables), "
-                    f"got {type(v).__name__}."
-                )
-            if v.name in out and out[v.name] is not v:
-                raise ValueError(
-                    f"Saver: two different variables are named '{v.name}' (from different "
-                    "stores?); pass a dict {checkpoint_name: variable} to name them, or use "
-                    "ps.Checkpoint(model=..., optimizer=...)."
-                )
-            out[v.name] = v
-    return out
 
 
 def outside_traces(what: str) -> None:

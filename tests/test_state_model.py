@@ -301,3 +301,31 @@ def test_duplicate_variables_in_grad_get_the_full_gradient():
     grads = ps.grad(lambda: jnp.sum(v * v), [v, v])()
     np.testing.assert_allclose(grads[0], [2.0, 4.0])
     np.testing.assert_allclose(grads[1], [2.0, 4.0])
+
+
+# ------------------------------------------------- one parser for a collection of variables
+
+
+def test_grad_optimizer_saver_and_reshard_accept_the_same_forms(tmp_path):
+    class Net(ps.Module):
+        def __init__(self):
+            self.w = ps.Variable(jnp.ones(2), name="w")
+
+    a, b = Net(), Net()
+    extra = ps.Variable(jnp.zeros(2), name="extra")
+    nested = [[a, extra], (b,)]  # Modules and Variables, nested
+    expected = [a.w, extra, b.w]
+    names = [v.name for v in expected]
+
+    assert list(ps.state(nested)) == names
+    opt = ps.Optimizer(optax.sgd(1.0), nested)
+    opt.apply_gradients([jnp.ones(2)] * 3)
+    np.testing.assert_allclose(a.w.numpy(), [0.0, 0.0])
+    path = ps.Saver(nested).save(str(tmp_path / "c"))
+    assert [n for n, _, _ in ps.checkpoint.list_variables(path)] == sorted(names)
+    ps.sharding.reshard(nested, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert all(v.device == jax.devices()[0] for v in expected)
+    with pytest.raises(TypeError, match=r"Expected Variables, Modules.*got a int"):
+        ps.state([a, 3])
+    with pytest.raises(TypeError, match=r"Saver: Expected Variables, Modules.*got a str"):
+        ps.Saver([a, "w"])
