@@ -60,6 +60,7 @@ import numpy as np
 from paramstore import _orbax, _tf, _trace
 from paramstore import sharding as _sharding
 from paramstore._collect import named
+from paramstore._context import STATE_LOCK
 from paramstore._format import (
     CheckpointError,
     PathLike,
@@ -250,14 +251,17 @@ class Saver:
     def _device_values(self) -> dict[str, Any]:
         """``{checkpoint_name: jax.Array or NumPy string array}``, for a sharded save."""
         outside_traces("save")
-        return {name: _current(name, v, sharded=True) for name, v in self._mapping().items()}
+        mapping = self._mapping()
+        with STATE_LOCK:  # one consistent snapshot: no step lands between two variables
+            return {name: _current(name, v, sharded=True) for name, v in mapping.items()}
 
     def _snapshot(self, copy: bool) -> dict[str, np.ndarray]:
         """Host copies of the values, ``{checkpoint_name: np.ndarray}``. With ``copy=False``
         an array may still share the device buffer (CPU); ``copy=True`` makes it independent."""
         outside_traces("save")
         mapping = self._mapping()
-        values = {name: _current(name, v) for name, v in mapping.items()}
+        with STATE_LOCK:  # one consistent snapshot: no step lands between two variables
+            values = {name: _current(name, v) for name, v in mapping.items()}
         if jax.default_backend() != "cpu":  # start every transfer before waiting on any
             for x in values.values():
                 if isinstance(x, jax.Array):

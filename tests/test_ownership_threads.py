@@ -165,10 +165,12 @@ def _run_threads(targets):
 @pytest.mark.slow
 def test_steps_eager_updates_readers_and_saves_from_many_threads(tmp_path):
     counter = ps.Variable(0.0, name="counter")
+    twin = ps.Variable(0.0, name="twin")  # every step moves both: a save sees them equal
 
     @ps.function
     def step():
         counter.assign_add(1.0)
+        twin.assign_add(1.0)
 
     step()
     seen, saved = [], []
@@ -187,15 +189,21 @@ def test_steps_eager_updates_readers_and_saves_from_many_threads(tmp_path):
 
     def saver():
         for i in range(10):
-            saved.append(ps.Saver([counter]).save(str(tmp_path / f"c{i}")))
+            saved.append(ps.Saver([counter, twin]).save(str(tmp_path / f"c{i}")))
 
     errors = _run_threads([stepper] * 4 + [eager] * 2 + [reader, saver])
     assert errors == []
     assert float(counter.numpy()) == 1 + 4 * 500 + 2 * 500
     assert seen == sorted(seen)  # a reader sees the counter only grow
+    assert float(twin.numpy()) == 1 + 4 * 500
     for path in saved:
         value = float(ps.checkpoint.load_variable(path, "counter"))
         assert value == int(value) and 1 <= value <= 3001  # a value the counter really held
+        restored = ps.Variable(0.0, name="restored")
+        ps.Saver({"counter": restored}).restore(path, allow_missing=True)
+        assert float(restored.numpy()) == value
+        # counter and twin from one moment: their difference is the eager updates so far
+        assert 0 <= value - float(ps.checkpoint.load_variable(path, "twin")) <= 2 * 500
 
 
 def test_concurrent_assigns_are_never_lost():
