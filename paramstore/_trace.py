@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paramstore._context import ctx
+from paramstore._context import STATE_LOCK, ctx
 from paramstore._jax import (
     EVAL,
     Tracer,
@@ -196,7 +196,8 @@ def outside(var: Variable) -> Any:
             "model with its current values as constants, close over ps.state(model) in a "
             "ps.pure function (see docs/state.md)."
         )
-    return var._value
+    with STATE_LOCK:  # a step's refcount check then counts this reader
+        return var._value
 
 
 def read(var: Variable) -> Any:

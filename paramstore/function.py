@@ -478,6 +478,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     if any(used_in[n_consts:]):
         for var, _ in created:
             default_store()._forget(var)
+            INITIAL_OVERRIDES.pop(id(var), None)
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "
             "depends on the values of the function's arguments. An initial value may depend "
