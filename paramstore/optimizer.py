@@ -4,7 +4,10 @@ Contract (API.md, "Optimizers"):
 
 * ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is a list or
   tuple of Variables, a dict ``{key: Variable}``, or a Module (then its
-  ``trainable_variables`` *at construction*: build the model before its optimizer).
+  ``trainable_variables`` *at construction*: build the model before its optimizer), or any
+  other collection ``ps.grad`` accepts (Modules in a list, nested lists...: then optax sees
+  a flat list in ``paramstore._collect``'s order). One bare Variable is a TypeError (wrap
+  it in a list: gradients come back in the structure of ``variables``).
   ``name`` must be a str (else TypeError, and nothing is created).
 * Masks and labels by name: optax sees the parameters as a pytree shaped like
   ``variables`` (a list, tuple or dict with the same keys); for a Module, a dict keyed by
