@@ -341,11 +341,13 @@ def _build_header(tensors: Sequence[_Tensor], crcs: Mapping[str, str]) -> bytes:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"the header names {key!r} twice")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # a key came twice: name the first repeated one
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the header names {key!r} twice")
+            seen.add(key)
     return out
 
 
@@ -450,28 +452,38 @@ def _paramstore_metadata(
 
 
 def _shape(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(d) is int and 0 <= d < 2**62 for d in value):
-        raise ValueError(f"{what} {value!r} is not a list of non-negative integers")
-    return tuple(value)
+    if isinstance(value, list):
+        for d in value:  # a loop, not all(genexpr): this runs for every tensor of a header
+            if type(d) is not int or not 0 <= d < 2**62:
+                break
+        else:
+            return tuple(value)
+    raise ValueError(f"{what} {value!r} is not a list of non-negative integers")
 
 
 def _parse_entry(
     name: str, e: Any, base: int, extra: dict[str, Any] | None, algorithm: str | None
 ) -> _Entry:
-    if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
+    if not isinstance(e, dict) or not e.keys() >= _ENTRY_KEYS:
         raise ValueError(f"the entry of '{name}' lacks dtype, shape or data_offsets")
     code = e["dtype"]
     if not isinstance(code, str) or code not in _CODES:
         raise ValueError(f"'{name}' has dtype {code!r}, which paramstore cannot read")
-    stored_shape = _shape(e["shape"], f"the shape of '{name}'")
+    shape_value = e["shape"]
+    if isinstance(shape_value, list):
+        stored_shape = _shape(shape_value, "")  # no message to format unless it fails
+    else:
+        stored_shape = _shape(shape_value, f"the shape of '{name}'")
     offsets = e["data_offsets"]
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int and o >= 0 for o in offsets)
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and type(start := offsets[0]) is int
+        and type(end := offsets[1]) is int
+        and start >= 0
+        and end >= 0
     ):
         raise ValueError(f"the data_offsets of '{name}' are not two non-negative integers")
-    start, end = offsets
     want = math.prod(stored_shape) * _CODES[code].itemsize
     if end - start != want:
         raise ValueError(
@@ -495,6 +507,7 @@ def _parse_entry(
 
 
 _HEX = re.compile(r"[0-9a-f]+")
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
 def _logical(
@@ -804,7 +817,7 @@ def _put(batch: list[tuple[str, np.ndarray, Any]]) -> dict[str, Any]:
     avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
     devices: dict[Any, Any] = {}
     for name, arr, sharding in batch:
-        device = devices.get(sharding)
+        device: Any = devices.get(sharding)
         if device is None and type(sharding) is jax.sharding.SingleDeviceSharding:
             (device,) = sharding.device_set
             if sharding.memory_kind not in (None, device.default_memory().kind):
