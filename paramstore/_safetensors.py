@@ -27,7 +27,7 @@ import struct
 import sys
 import threading
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import jax
@@ -220,8 +220,11 @@ class _Checksums:
     the checksums use the CPU while the disk flushes rather than competing with the copies
     into the page cache."""
 
-    def __init__(self, algorithm: str = "xxh3", deferred: bool = False) -> None:
+    def __init__(
+        self, algorithm: str = "xxh3", deferred: bool = False, done: Collection[Any] = ()
+    ) -> None:
         self._algorithm = algorithm
+        self._done = done  # keys checksummed already: their data is not hashed again
         self._deferred = deferred
         self._hashes: dict[Any, _Hash] = {}
         self._digests: dict[Any, str] = {}
@@ -243,6 +246,8 @@ class _Checksums:
 
     def add(self, key: Any, data: memoryview) -> None:
         """Checksum ``data`` (appending to earlier data of the same ``key``)."""
+        if key in self._done:
+            return
         h = self._hashes.get(key)
         if h is None:
             h = self._hashes[key] = _Hash(self._algorithm)
@@ -588,7 +593,10 @@ def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
         os.makedirs(directory, exist_ok=True)
     tmp = _temp_path(path)
     try:
-        header = _build_header(tensors, {})
+        # Small tensors are checksummed now, so a file of only small tensors is written
+        # with its final header at once; big ones are checksummed while the data flushes.
+        crcs = {t.name: checksum(t.data) for t in tensors if t.data.nbytes < _PARALLEL_MIN}
+        header = _build_header(tensors, crcs)
         if len(header) - 8 > MAX_HEADER:
             raise CheckpointError(
                 f"Cannot save {len(tensors)} variables to '{path}': the header would take "
@@ -597,17 +605,20 @@ def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
             )
         with open(tmp, "xb", buffering=_BUFFER) as f:
             f.write(header)
-            with _Checksums(deferred=True) as checksums:
+            with _Checksums(deferred=True, done=crcs.keys()) as checksums:
+                gather = _Gather(f)
                 for t in tensors:
-                    _write_tensor(f, t, checksums)
+                    _write_tensor(gather, t, checksums)
+                gather.flush()
                 if checksums.queued:  # checksum the big tensors while the data goes to disk
                     checksums.start()
-                    f.flush()
                     _datasync(f.fileno())
-                crcs = checksums.result()
-            f.seek(0)
-            f.write(_build_header(tensors, crcs))
-            f.flush()
+                big = checksums.result()
+            if big:
+                crcs.update(big)
+                f.seek(0)
+                f.write(_build_header(tensors, crcs))
+                f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -622,13 +633,63 @@ def _datasync(fd: int) -> None:
     getattr(os, "fdatasync", os.fsync)(fd)
 
 
-def _write_tensor(f: BinaryIO, t: _Tensor, checksums: _Checksums) -> None:
+def _write_tensor(f: BinaryIO | _Gather, t: _Tensor, checksums: _Checksums) -> None:
     if not t.data.nbytes:
         checksums.add(t.name, t.data)
     for i in range(0, t.data.nbytes, _CHUNK):
         chunk = t.data[i : i + _CHUNK]
         checksums.add(t.name, chunk)
         f.write(chunk)
+
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "writev") else 0
+
+
+class _Gather:
+    """A writer over the file ``f`` that holds the buffers given to ``write`` (without
+    copying them; they must stay unchanged) and writes them ``_IOV_MAX`` at a time with
+    one ``os.writev``: for many small tensors, a few system calls instead of one per
+    buffer. ``flush`` writes what it holds and flushes ``f``."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._views: list[memoryview] = []
+
+    def write(self, data: memoryview) -> None:
+        self._views.append(data)
+        if len(self._views) >= max(_IOV_MAX, 1):
+            self.flush()
+
+    def flush(self) -> None:
+        _write_views(self._f, self._views)
+        self._views = []
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+
+def _write_views(f: BinaryIO, views: list[memoryview]) -> None:
+    """Write ``views`` at ``f``'s position: with ``os.writev``, many buffers a system call
+    and no copy into the file's buffer (``f`` is flushed first), else ``f.write`` each."""
+    if not _IOV_MAX:
+        for v in views:
+            f.write(v)
+        return
+    f.flush()
+    fd = f.fileno()
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _IOV_MAX]
+        n = os.writev(fd, batch)
+        if n <= 0:
+            raise OSError(f"writev wrote {n} bytes")
+        for v in batch:  # skip what was written; a partial write resumes mid-buffer
+            if n < v.nbytes:
+                views[i] = v[n:]
+                break
+            n -= v.nbytes
+            i += 1
 
 
 def check_name(name: Any) -> None:
