@@ -228,6 +228,7 @@ class _Checksums:
         self._deferred = deferred
         self._hashes: dict[Any, _Hash] = {}
         self._digests: dict[Any, str] = {}
+        self._threaded: set[Any] = set()  # keys with data sent to the worker
         self._jobs: queue.SimpleQueue[tuple[_Hash, memoryview] | None] = queue.SimpleQueue()
         self._queued = False
         self._thread: threading.Thread | None = None
@@ -251,9 +252,10 @@ class _Checksums:
         h = self._hashes.get(key)
         if h is None:
             h = self._hashes[key] = _Hash(self._algorithm)
-        if data.nbytes < _PARALLEL_MIN:
+        if data.nbytes < _PARALLEL_MIN and key not in self._threaded:
             h.update(data)
             return
+        self._threaded.add(key)  # its later data must follow in the worker's queue, in order
         self._jobs.put((h, data))
         self._queued = True
         if not self._deferred:
@@ -806,14 +808,20 @@ class SafetensorsFile:
         got = 0
         if not e.nbytes:
             checksums.add(e.name, view)
+        # A big tensor is hashed by the worker in pieces of _PARALLEL_MIN while the next
+        # ones are read; a small one inline, each chunk while it is in the CPU cache.
+        piece = _PARALLEL_MIN if e.nbytes >= _PARALLEL_MIN else 1
+        hashed = 0
         while got < e.nbytes:
             n = self._f.readinto(view[got : got + _READ_CHUNK])  # type: ignore[attr-defined]
             if not n:
                 raise CheckpointError(
                     f"Checkpoint '{self.path}' is truncated inside variable '{e.name}'."
                 )
-            checksums.add(e.name, view[got : got + n])
             got += n
+            if got - hashed >= piece or got == e.nbytes:
+                checksums.add(e.name, view[hashed:got])
+                hashed = got
         return buf
 
     def _read_run(self, run: list[_Entry], checksums: _Checksums) -> np.ndarray:
