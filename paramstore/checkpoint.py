@@ -340,6 +340,15 @@ def assign_all(
         v = present[name]
         if id(v) in moves:
             v._write(value, owned=True)
+        elif (
+            not _trace.depth
+            and isinstance(value, jax.Array)
+            and value.dtype == v.dtype
+            and not value.weak_type
+            and value.shape == v.shape
+            and value.sharding == v._value.sharding
+        ):
+            v._write(value)  # what assign ends in for this value (not owned: it was given)
         else:
             v.assign(value, read_value=False)
 

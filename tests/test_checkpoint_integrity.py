@@ -284,3 +284,12 @@ def test_orbax_metadata_nesting_bomb(tmp_path, variables):
     path = orbax_saved(tmp_path, variables)
     (path / "paramstore" / "metadata").write_text("[" * 50_000 + "]" * 50_000)
     check_refused(variables, path, "nests 50000 levels")
+
+
+def test_a_tensor_whose_last_chunk_is_small_round_trips(tmp_path):
+    """A tensor of 16 MiB + 100 KiB: its first chunk is hashed by the worker, its small last
+    chunk must follow it there (hashed inline first, the checksum was wrong)."""
+    a = np.arange((16 * 2**20 + 100 * 1024) // 4, dtype=np.float32)
+    path = _safetensors.write_arrays(tmp_path / "odd.safetensors", {"a": a})
+    with _safetensors.SafetensorsFile(path) as f:
+        np.testing.assert_array_equal(f.load({"a": None})["a"], a)
