@@ -34,8 +34,6 @@ import jax
 import ml_dtypes
 import numpy as np
 import xxhash
-from jax._src import core as _jax_core  # the aval of the direct device_put (see _put)
-from jax._src.lib import xla_client as _xc
 
 from paramstore._format import (
     STRING,
@@ -45,6 +43,7 @@ from paramstore._format import (
     is_string,
     no_such_variable,
 )
+from paramstore._jax import put_on_device
 
 FORMAT_VERSION = 2
 """The paramstore layout version written in ``__metadata__["paramstore.format_version"]``
@@ -883,7 +882,6 @@ def _put(batch: list[tuple[str, np.ndarray, Any]]) -> dict[str, Any]:
     the same XLA call it ends in, with the same aval, committed like it."""
     out: dict[str, Any] = {}
     rest: list[tuple[str, np.ndarray, Any]] = []
-    avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
     devices: dict[Any, Any] = {}
     for name, arr, sharding in batch:
         device: Any = devices.get(sharding)
@@ -895,11 +893,7 @@ def _put(batch: list[tuple[str, np.ndarray, Any]]) -> dict[str, Any]:
         if device is None or arr.dtype not in _DIRECT_DTYPES or type(arr) is not np.ndarray:
             rest.append((name, arr, sharding))
             continue
-        key = (arr.shape, arr.dtype)
-        aval = avals.get(key)
-        if aval is None:
-            aval = avals[key] = _jax_core.ShapedArray(arr.shape, arr.dtype)
-        out[name] = _xc.batched_device_put(aval, sharding, [arr], [device], True)
+        out[name] = put_on_device(arr, sharding, device)
     if rest:
         names, arrays, shardings = zip(*rest)
         placed = jax.device_put(list(arrays), list(shardings), may_alias=True)

@@ -214,10 +214,13 @@ class Saver:
         try:
             names, found = named(self._source, strings=True)
         except TypeError as e:
-            raise TypeError(
-                f"Saver: {e} To save objects by attribute path, use "
-                "ps.Checkpoint(model=..., optimizer=...)."
-            ) from None
+            bad = [
+                k for k, v in getattr(self._source, "items", dict)() if not isinstance(v, Variable)
+            ]
+            hint = (
+                f"ps.Checkpoint({bad[0]}=...)" if bad else "ps.Checkpoint(model=..., optimizer=...)"
+            )
+            raise TypeError(f"Saver: {e} To save objects by attribute path, use {hint}.") from None
         except ValueError as e:
             raise ValueError(f"Saver: {e}") from None
         for name in names:
