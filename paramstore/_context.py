@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK"]
+__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "VERSION"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +52,8 @@ def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
 # dispatch, swap), holds it, so each is atomic with respect to the variables it touches.
 # Re-entrant: a write path may call another.
 STATE_LOCK = threading.RLock()
+# The state version: bumped (under STATE_LOCK) by every write of a variable's array and
+# every read that hands an array out. A compiled call that finds it unchanged since its own
+# last call knows that its inputs are exactly its last outputs and that nobody was handed
+# them, so it skips the per-variable gather and reference-count check (ps.function).
+VERSION = [0]

@@ -57,7 +57,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
-from paramstore._context import STATE_LOCK
+from paramstore._context import STATE_LOCK, VERSION
 from paramstore._jax import EVAL, current_trace, pure_jaxpr, staging
 from paramstore._store import default_store
 from paramstore.module import Module
@@ -130,6 +130,7 @@ class _Entry:
         n_leaves: int,
         donate: bool,
         wait: bool,
+        distinct: bool,
     ) -> None:
         self.owner = owner
         self.runner = runner
@@ -145,6 +146,14 @@ class _Entry:
         self.array_pos = [i for i in range(n_leaves) if i not in set(ref_pos)]
         self.donate = donate
         self.wait = wait
+        self.n_donated = len(donated)
+        # The state version after this entry's last call, and that call's outputs for the
+        # donated variables and its read-only inputs: while the version is unchanged they
+        # are exactly the next call's inputs, nobody else holds them, so the next call
+        # skips the gather and the reference counts (602 variables: 41 of 58 us per call).
+        self.version = -1
+        self.last: tuple[Any, Any] = ((), ())
+        self.distinct = distinct
 
     def __call__(self, leaves: list[Any]) -> Any:
         trace = current_trace()
@@ -155,19 +164,28 @@ class _Entry:
         if self.wait:
             return self._call_and_wait(leaves)
         with STATE_LOCK:
-            don = list(map(_get_value, self.donated))
-            if self.donate:
-                counts = list(map(sys.getrefcount, don))
-                unowned = UNOWNED and not self.donated_ids.isdisjoint(UNOWNED)
-                if unowned or max(counts) > _OWN_REFS:  # someone else may hold it: a copy
-                    don = [
-                        private_copy(x) if c > _OWN_REFS or id(v) in UNOWNED else x
-                        for v, x, c in zip(self.donated, don, counts)
-                    ]
-            ro = list(map(_get_value, self.readonly))
+            if VERSION[0] == self.version:  # nothing written or handed out since our last
+                don, ro = self.last  # call: the inputs are our own last outputs
+            else:
+                self.last = ((), ())  # drop our references before counting
+                don = list(map(_get_value, self.donated))
+                if self.donate:
+                    counts = list(map(sys.getrefcount, don))
+                    unowned = UNOWNED and not self.donated_ids.isdisjoint(UNOWNED)
+                    if unowned or max(counts) > _OWN_REFS:  # someone may hold it: a copy
+                        don = [
+                            private_copy(x) if c > _OWN_REFS or id(v) in UNOWNED else x
+                            for v, x, c in zip(self.donated, don, counts)
+                        ]
+                ro = list(map(_get_value, self.readonly))
             new, out = self.runner(don, ro, leaves)
             if new:
                 write_all(self.assigned, self.assigned_ids, new)
+            if self.distinct:
+                self.last = (new[: self.n_donated], ro)
+                self.version = VERSION[0]
+            else:  # outputs may share input or variable buffers: handed out, as value() does
+                VERSION[0] += 1
         return jax.tree_util.tree_unflatten(self.out_tree, out)
 
     def _call_and_wait(self, leaves: list[Any]) -> Any:
@@ -440,6 +458,11 @@ class Function:
             return [new[i] for i in order], res[:n_out]
 
         wait = _has_host_callback(lifted)
+        # jit forwards an input that is returned unchanged, and may return one buffer for
+        # two equal outputs: then an output (or a second variable) shares a variable's
+        # buffer, and only the reference-count path may donate (see _Entry.last).
+        out_ids = [id(v) for v in outvars if isinstance(v, jex.core.Var)]
+        distinct = len(set(out_ids)) == len(out_ids) and set(out_ids).isdisjoint(map(id, invars))
         donate = self._donate and bool(donated) and not wait
         runner = jax.jit(
             run,
@@ -458,6 +481,7 @@ class Function:
             n_leaves,
             donate,
             wait,
+            distinct,
         )
 
     def __repr__(self) -> str:

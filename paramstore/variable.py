@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore import _trace
-from paramstore._context import STATE_LOCK, prefixed
+from paramstore._context import STATE_LOCK, VERSION, prefixed
 from paramstore._dtypes import (
     STRING,
     canonical_dtype,
@@ -312,6 +312,7 @@ class Variable(_ArrayOps):
         if _TRACE_STATE() is not EVAL:
             return _trace.outside(self)
         with STATE_LOCK:  # a step's refcount check then counts this reader
+            VERSION[0] += 1
             return self._value
 
     read_value = value
@@ -392,10 +393,10 @@ class Variable(_ArrayOps):
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """An independent copy: same value, dtype, shape and trainable flag; a new unique
         name (this one's, numbered) in the current default store."""
-        with STATE_LOCK:
+        with STATE_LOCK:  # copied before any step can donate it
             value = self._value
-        if not self._is_string:
-            value = jnp.array(value, copy=True)  # type: ignore[assignment]
+            if not self._is_string:
+                value = jnp.array(value, copy=True)  # type: ignore[assignment]
         new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
         memo[id(self)] = new
         return new
@@ -550,6 +551,7 @@ class Variable(_ArrayOps):
         with STATE_LOCK:
             self._value = new
             _mark(self, owned)
+            VERSION[0] += 1
 
 
 class _Detached(Variable):
@@ -593,6 +595,7 @@ def write_all(variables: list[Variable], ids: list[int], values: list[Any]) -> N
         var._value = value
     if UNOWNED:
         UNOWNED.difference_update(ids)
+    VERSION[0] += 1
 
 
 def set_initial_value(var: Variable, value: Any) -> None:
