@@ -423,3 +423,28 @@ def test_no_import_cycles(package_imports):
 def test_lower_layers_never_import_higher_ones(package_imports):
     found = layer_violations(package_imports)
     assert not found, "imports that go up the layers:\n" + "\n".join(found)
+
+
+def test_one_write_path_for_a_variables_array():
+    """Only paramstore/variable.py assigns a variable's ``_value`` (its ``_write`` and
+    ``write_all``): ps.function's steady path relies on every write bumping the version."""
+    offenders = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.name == "variable.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr == "_value":
+                    offenders.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}")
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "setattr"
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value == "_value"
+            ):
+                offenders.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}")
+    assert not offenders, f"write variables through Variable._write / write_all: {offenders}"
