@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "VERSION"]
+__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "VERSION", "CACHED", "release_cached"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,14 @@ STATE_LOCK = threading.RLock()
 # last call knows that its inputs are exactly its last outputs and that nobody was handed
 # them, so it skips the per-variable gather and reference-count check (ps.function).
 VERSION = [0]
+# The one compiled entry whose cached inputs are live (see ps.function's steady path).
+# Every write releases it, so a cache never pins buffers that variables no longer hold.
+CACHED: list[Any] = [None]
+
+
+def release_cached() -> None:
+    """Drop the live cache (call under STATE_LOCK, when variables get new arrays)."""
+    holder = CACHED[0]
+    if holder is not None:
+        CACHED[0] = None
+        holder.last = ((), ())

@@ -57,7 +57,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
-from paramstore._context import STATE_LOCK, VERSION
+from paramstore._context import CACHED, STATE_LOCK, VERSION, release_cached
 from paramstore._jax import EVAL, current_trace, pure_jaxpr, staging
 from paramstore._store import default_store
 from paramstore.module import Module
@@ -165,10 +165,10 @@ class _Entry:
         if self.wait:
             return self._call_and_wait(leaves)
         with STATE_LOCK:
-            if VERSION[0] == self.version:  # nothing written or handed out since our last
-                don, ro = self.last  # call: the inputs are our own last outputs
+            if VERSION[0] == self.version and CACHED[0] is self:  # nothing written or
+                don, ro = self.last  # handed out since our last call: our own last outputs
             else:
-                self.last = ((), ())  # drop our references before counting
+                release_cached()  # no cache may hold references while we count them
                 don = list(map(_get_value, self.donated))
                 if self.donate:
                     counts = list(map(sys.getrefcount, don))
@@ -183,6 +183,8 @@ class _Entry:
             if new:
                 write_all(self.assigned, self.assigned_ids, new)
             if self.distinct:
+                release_cached()
+                CACHED[0] = self
                 self.last = (new[: self.n_donated], ro)
                 self.version = VERSION[0]
             else:  # outputs may share input or variable buffers: handed out, as value() does

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore import _trace
-from paramstore._context import STATE_LOCK, VERSION, prefixed
+from paramstore._context import STATE_LOCK, VERSION, prefixed, release_cached
 from paramstore._dtypes import (
     STRING,
     canonical_dtype,
@@ -552,6 +552,7 @@ class Variable(_ArrayOps):
             self._value = new
             _mark(self, owned)
             VERSION[0] += 1
+            release_cached()
 
 
 class _Detached(Variable):
@@ -596,6 +597,7 @@ def write_all(variables: list[Variable], ids: list[int], values: list[Any]) -> N
     if UNOWNED:
         UNOWNED.difference_update(ids)
     VERSION[0] += 1
+    release_cached()
 
 
 def set_initial_value(var: Variable, value: Any) -> None:

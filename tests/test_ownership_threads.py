@@ -353,3 +353,18 @@ def test_the_steady_path_still_sees_a_reader_between_steps():
     step()
     np.testing.assert_allclose(held, np.full(16, 2.0))
     np.testing.assert_allclose(v.numpy(), np.full(16, 3.0))
+
+
+def test_alternating_functions_and_eager_writes_keep_values_and_memory():
+    v = ps.Variable(jnp.zeros(8), name="v")
+    train = _step_on(v)
+    evaluate = ps.function(lambda: v.value().sum())
+    for i in range(1, 4):
+        train()
+        assert float(evaluate()) == 8.0 * i  # a read-only function in between
+    train()
+    v.assign(np.full(8, 100.0, np.float32))  # an eager write releases any cache
+    train()
+    np.testing.assert_allclose(v.numpy(), np.full(8, 101.0))
+    cached = [e for f in (train, evaluate) for e in f._cache.values() if e.last != ((), ())]
+    assert len(cached) <= 1  # one cache at a time: old buffers are never pinned
