@@ -25,6 +25,7 @@ from typing import Any
 import jax
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info
+from jax._src.array import ArrayImpl as _ArrayImpl
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow import loops as _loops
 from jax._src.lib import xla_client as _xc
@@ -32,6 +33,7 @@ from jax._src.state import discharge as _discharge
 from jax._src.state.types import AbstractRef, WriteEffect
 
 __all__ = [
+    "ARRAY_TYPE",
     "EVAL",
     "Tracer",
     "current_trace",
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 Tracer = jax.core.Tracer
+ARRAY_TYPE: Any = _ArrayImpl  # jax.Array's concrete class, without creating an array
 ConcretizationError = jax.errors.ConcretizationTypeError
 EVAL = _core.eval_trace
 _STRONG = _core.trace_state_strong_ref
