@@ -4,6 +4,7 @@ changes no variable and leaves no temporary file."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -17,16 +18,9 @@ import paramstore as ps
 from paramstore import _orbax, _safetensors, checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
 
-
-def _orbax_available() -> bool:
-    try:
-        import orbax.checkpoint  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_orbax = pytest.mark.skipif(not _orbax_available(), reason="orbax-checkpoint missing")
+needs_orbax = pytest.mark.skipif(
+    importlib.util.find_spec("orbax") is None, reason="orbax-checkpoint missing"
+)
 
 
 @pytest.fixture

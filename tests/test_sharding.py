@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import functools
 import importlib
+import importlib.util
 import json
 import re
 import subprocess
@@ -147,15 +148,9 @@ def test_reshard_and_settle_on_one_device(fresh_store):
 # ------------------------------------------------------------------ checkpoint formats
 
 
-def _orbax_available() -> bool:
-    try:
-        import orbax.checkpoint  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_orbax = pytest.mark.skipif(not _orbax_available(), reason="orbax-checkpoint missing")
+needs_orbax = pytest.mark.skipif(
+    importlib.util.find_spec("orbax") is None, reason="orbax-checkpoint missing"
+)
 
 
 def test_format_is_a_file_in_one_process_unless_sharded_is_asked(tmp_path, monkeypatch):
