@@ -52,13 +52,12 @@ from typing import Any
 
 import jax
 import jax.extend as jex
-import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
 from paramstore._context import CACHED, STATE_LOCK, VERSION, release_cached
-from paramstore._jax import EVAL, current_trace, pure_jaxpr, staging
+from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, pure_jaxpr, staging
 from paramstore._store import default_store
 from paramstore.module import Module
 from paramstore.variable import (
@@ -72,9 +71,6 @@ from paramstore.variable import (
 
 __all__ = ["function", "Function"]
 
-# jax.Array's concrete class, learned at the first trace: creating an array at import would
-# start the XLA backend before a user's jax.distributed.initialize().
-_ARRAY: Any = None
 _get_value = operator.attrgetter("_value")
 # References to an array passed to a call: the variable, our list, getrefcount's argument.
 _OWN_REFS = 3
@@ -87,7 +83,7 @@ def _is_ref(x: Any) -> bool:
 
 def _leaf_key(x: Any) -> Any:
     """What a trace depends on: the abstract value (as jax.jit), or a reference's identity."""
-    if type(x) is _ARRAY:
+    if type(x) is ARRAY_TYPE:
         return x.aval
     if isinstance(x, (Variable, Module)):
         return id(x)
@@ -284,7 +280,7 @@ class Function:
             # on the avals alone; the general path below costs ~5 us more per call.
             fast: list[Any] = [len(args)]
             for a in args:
-                if type(a) is not _ARRAY:
+                if type(a) is not ARRAY_TYPE:
                     break
                 fast.append(a.aval)
             else:
@@ -302,7 +298,7 @@ class Function:
             dyn, static = self._split(args, kwargs)
         else:
             dyn, static = (args, kwargs), ()
-        if not static and not kwargs and all(type(a) is _ARRAY for a in args):
+        if not static and not kwargs and all(type(a) is ARRAY_TYPE for a in args):
             leaves = list(args)  # the common case, without a Python is_leaf callback
             treedef = self._treedefs.get(len(args))
             if treedef is None:
@@ -323,7 +319,7 @@ class Function:
             self._simple
             and not kwargs
             and not entry.ref_pos
-            and all(type(a) is _ARRAY for a in args)
+            and all(type(a) is ARRAY_TYPE for a in args)
         ):
             self._fast[(len(args), *(a.aval for a in args))] = entry
         return entry(leaves)
@@ -361,8 +357,6 @@ class Function:
         return args, kwargs
 
     def _trace_signature(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
-        global _ARRAY
-        _ARRAY = type(jnp.zeros(()))
         owner = f"ps.function '{self._name}'"
         frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=self.trace_count == 0)
         ref_pos = [i for i, x in enumerate(leaves) if _is_ref(x)]
