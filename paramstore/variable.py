@@ -87,7 +87,6 @@ _EAGER = {
 # References to a variable's array while an update checks it: the variable, the local
 # name, getrefcount's argument.
 _OWN_REFS = 3
-_TRACE_STATE = current_trace  # re-exported for the fast path below
 _MISSING = object()
 # ids of the variables whose array may be shared with someone else (a jax.Array the user
 # passed in, another variable's): copied before their first donation. A set, so that the
@@ -313,7 +312,7 @@ class Variable(_ArrayOps):
         """The current array (inside ``ps.function`` / ``ps.pure``, the traced value)."""
         if _trace.depth:
             return _trace.read(self)
-        if _TRACE_STATE() is not EVAL:
+        if current_trace() is not EVAL:
             return _trace.outside(self)
         with STATE_LOCK:  # a step's refcount check then counts this reader
             VERSION[0] += 1
@@ -461,12 +460,7 @@ class Variable(_ArrayOps):
             else:
                 new = fresh(x, d)
             del x
-            self._value = new  # _write, inlined (owned: our own update's result)
-            if UNOWNED:
-                UNOWNED.discard(id(self))
-            VERSION[0] += 1
-            if CACHED[0] is not None:
-                release_cached()
+            self._write(new, owned=True)  # our own update's result
 
     def _check_arithmetic(self, what: str) -> None:
         if self._is_string:
@@ -553,7 +547,8 @@ class Variable(_ArrayOps):
         """Make ``new`` (checked by the caller) the value: in the active frame, or for real."""
         if _trace.depth and _trace.bind(self, new):
             return
-        if isinstance(new, Tracer) or current_trace() is not EVAL and staging(current_trace()):
+        trace = current_trace()
+        if isinstance(new, Tracer) or trace is not EVAL and staging(trace):
             raise _traced_context_error(self._name)
         if not (placed or self._is_string):
             old = self._value.sharding
@@ -566,9 +561,14 @@ class Variable(_ArrayOps):
         placement). ``owned``: nobody outside this variable holds ``new``'s buffer."""
         with STATE_LOCK:
             self._value = new
-            _mark(self, owned)
+            if owned:
+                if UNOWNED:
+                    UNOWNED.discard(id(self))
+            else:
+                UNOWNED.add(id(self))
             VERSION[0] += 1
-            release_cached()
+            if CACHED[0] is not None:
+                release_cached()
 
 
 class _Detached(Variable):
@@ -793,6 +793,7 @@ def _unflatten(aux: tuple[str, bool], children: Any) -> Any:
         return leaf  # jax sentinels (None, object()) pass through untouched
     self = object.__new__(_Detached)
     self._set_fields(leaf, aux[1], owned=False)
+    self._arith = False  # every update goes through _coerce, which refuses it
     self._name = aux[0]
     return self
 

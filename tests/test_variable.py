@@ -842,6 +842,9 @@ def test_unflattening_makes_a_detached_variable(fresh_store):
         for op in (detached.assign, detached.assign_add, detached.assign_sub, detached[0].assign):
             with pytest.raises(TypeError, match="ps.function|ps.pure"):
                 op([1.0, 1.0] if op is not detached[0].assign else 1.0)
+        for op in (detached.assign, detached.assign_add, detached.assign_sub):
+            with pytest.raises(TypeError, match="ps.function|ps.pure"):  # a jax.Array too
+                op(jnp.ones(2, jnp.float32))
         assert_unchanged(detached, snap)
     np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])  # the original is untouched
     assert ps.Variable(0.0, name="v").name == "v_1"  # unflattening took no name
