@@ -238,7 +238,6 @@ class Function:
         self._cache: dict[Any, _Entry] = {}
         self._fast: dict[tuple[Any, ...], _Entry] = {}  # (n, *avals) of all-array calls
         self._simple = not (self._static_argnums or self._static_argnames)
-        self._treedefs: dict[int, Any] = {}  # of (args, {}) for n array arguments
         self._bound: weakref.ref[Any] | None = None
         self._instances: dict[int, Function] = {}
         self._lock = threading.RLock()
@@ -298,13 +297,7 @@ class Function:
             dyn, static = self._split(args, kwargs)
         else:
             dyn, static = (args, kwargs), ()
-        if not static and not kwargs and all(type(a) is ARRAY_TYPE for a in args):
-            leaves = list(args)  # the common case, without a Python is_leaf callback
-            treedef = self._treedefs.get(len(args))
-            if treedef is None:
-                treedef = self._treedefs[len(args)] = jax.tree_util.tree_structure(dyn)
-        else:
-            leaves, treedef = jax.tree_util.tree_flatten(dyn, is_leaf=_is_ref)
+        leaves, treedef = jax.tree_util.tree_flatten(dyn, is_leaf=_is_ref)
         key = (treedef, static, *map(_leaf_key, leaves))
         try:
             entry = self._cache.get(key)
