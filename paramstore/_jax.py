@@ -44,12 +44,10 @@ __all__ = [
     "in_trace",
     "pure_jaxpr",
     "put_on_device",
-    "ConcretizationError",
 ]
 
 Tracer = jax.core.Tracer
 ARRAY_TYPE: Any = _ArrayImpl  # jax.Array's concrete class, without creating an array
-ConcretizationError = jax.errors.ConcretizationTypeError
 EVAL = _core.eval_trace
 _STRONG = _core.trace_state_strong_ref
 _STAGING = _pe.DynamicJaxprTrace
