@@ -515,7 +515,12 @@ class Variable(_ArrayOps):
             return value
         if isinstance(value, jax.Array):  # also tracers
             if value.dtype != dst and is_key_dtype(value.dtype):
-                raise dtype_error(self._name, np.uint32, dst, op)
+                raise TypeError(
+                    f"Cannot {op} a PRNG key array (dtype {value.dtype}) to variable "
+                    f"'{self._name}' of dtype {dst.name}: store its key data "
+                    "(jax.random.key_data(key)), or hold keys in a key variable "
+                    "(ps.Variable(jax.random.key(0)))."
+                )
             if value.dtype != dst and not lossless(np.dtype(value.dtype), dst, value.weak_type):
                 raise dtype_error(self._name, value.dtype, dst, op)
             return value.astype(dst) if value.dtype != dst else strong(value)

@@ -329,3 +329,70 @@ def test_grad_optimizer_saver_and_reshard_accept_the_same_forms(tmp_path):
         ps.state([a, 3])
     with pytest.raises(TypeError, match=r"Saver: Expected Variables, Modules.*got a str"):
         ps.Saver([a, "w"])
+
+
+# ---------------------------------------------------------------- error paths, no change
+
+
+def test_a_variable_from_a_value_traced_in_a_nested_body_is_refused(_fresh_store):
+    @ps.function
+    def f(n):
+        def body(i, carry):
+            ps.Variable(carry * 2.0, name="inner")  # depends on the loop's carry
+            return carry + 1.0
+
+        return jax.lax.fori_loop(0, n, body, 0.0)
+
+    with pytest.raises(ValueError, match=r"'inner' is a traced value computed inside"):
+        f(3)
+    assert _fresh_store.variables() == [] and f.trace_count == 0
+
+    pure = ps.pure(lambda x: ps.Variable(x * 2.0, name="in_pure").value(), [])
+    with pytest.raises(ValueError, match=r"'in_pure' is a traced value"):
+        jax.jit(lambda x: pure({}, x))(1.0)
+    assert _fresh_store.variables() == []
+
+
+def test_placement_of_a_traced_initial_value_is_refused(_fresh_store):
+    @ps.function
+    def f(x):
+        return ps.Variable(jnp.zeros(x.shape), name="placed", device="cpu:0").value()
+
+    with pytest.raises(ValueError, match=r"'placed': device=/sharding= with an initial value"):
+        f(jnp.ones(2))
+    assert _fresh_store.variables() == []
+
+
+def test_key_variable_errors_change_nothing(_fresh_store):
+    with pytest.raises(TypeError, match="a PRNG key array takes no dtype="):
+        ps.Variable(jax.random.key(0), dtype=jnp.uint32, name="k0")
+    assert _fresh_store.variables() == []
+    k = ps.Variable(jax.random.key(1), name="k")
+    before = np.asarray(jax.random.key_data(k.value()))
+    for bad in (lambda: k.assign_add(1), lambda: k.assign(np.zeros(2, np.uint32))):
+        with pytest.raises(TypeError, match="PRNG key variable 'k'"):
+            bad()
+    u = ps.Variable(jnp.zeros(2, jnp.uint32), name="u")
+    with pytest.raises(TypeError, match=r"a PRNG key array \(dtype key<fry>\) to variable 'u'"):
+        u.assign(jax.random.key(2))
+    np.testing.assert_array_equal(u.numpy(), [0, 0])
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(k.value())), before)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: ps.random.Generator("7"), TypeError, "expects an int seed, got str"),
+        (lambda: ps.random.Generator.from_seed(True), TypeError, "expects an int seed"),
+        (lambda: ps.random.Generator(1).split(0), ValueError, "positive int count, got 0"),
+    ],
+)
+def test_bad_generator_arguments(make, error, message, _fresh_store):
+    with pytest.raises(error, match=message):
+        make()
+    # a refused split leaves the generator's state as it was
+    g = ps.random.Generator(3)
+    state = g.state.numpy()
+    with pytest.raises(ValueError):
+        g.split(-1)
+    np.testing.assert_array_equal(g.state.numpy(), state)
