@@ -20,9 +20,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
+from paramstore._checkpoint_placement import place
 from paramstore._format import STRING, CheckpointError, Entry, PathLike, no_such_variable
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -54,15 +54,6 @@ def is_hdf5(path: str) -> bool:
             return f.read(8) == _HDF5_MAGIC
     except OSError:
         return False
-
-
-def _place(values: dict[str, np.ndarray], wanted: Mapping[str, Any]) -> dict[str, Any]:
-    """Put the values with a placement on it, in one ``jax.device_put``."""
-    names = [n for n, p in wanted.items() if p is not None and values[n].dtype != STRING]
-    if names:
-        placed = jax.device_put([values[n] for n in names], [wanted[n] for n in names])
-        values.update(zip(names, placed))
-    return values
 
 
 def _strings(arr: np.ndarray) -> np.ndarray:
@@ -121,7 +112,7 @@ class TensorFlowCheckpoint:
                     f"cannot be read ({type(e).__name__}: {e})."
                 ) from None
             values[name] = _strings(arr) if arr.dtype == object else arr
-        return _place(values, wanted)
+        return place(values, wanted)
 
 
 class KerasWeights:
@@ -161,4 +152,4 @@ class KerasWeights:
                     f"HDF5 file '{self.path}' is corrupt: dataset '{name}' cannot be read ({e})."
                 ) from None
             values[name] = _strings(arr) if arr.dtype.kind in "OS" else arr
-        return _place(values, wanted)
+        return place(values, wanted)

@@ -24,7 +24,14 @@ from typing import Any
 import numpy as np
 
 from paramstore import checkpoint
-from paramstore._format import CheckpointError, EntryInfo, PathLike, dtype_name, is_string
+from paramstore._format import (
+    CheckpointError,
+    EntryInfo,
+    PathLike,
+    dtype_name,
+    is_string,
+    no_such_variable,
+)
 from paramstore._summary import human_bytes
 
 
@@ -70,7 +77,7 @@ def render(path: PathLike, values: bool = False, name: str | None = None) -> str
         if name is not None:
             chosen = [e for e in entries if fnmatch.fnmatchcase(e.name, name)]
             if not chosen:
-                raise checkpoint.no_such_variable(r.path, name, r.entries)
+                raise no_such_variable(r.path, name, r.entries)
             entries = chosen
         loaded: dict[str, Any] = r.load(dict.fromkeys(e.name for e in entries)) if values else {}
         head = ["name", "shape", "dtype", "size", "bytes"]

@@ -32,16 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from paramstore._format import CheckpointError, PathLike
-from paramstore._store import preview_names
-from paramstore.checkpoint import (
+from paramstore._checkpoint_readers import opened
+from paramstore._checkpoint_saver import (
     Saver,
     assign_all,
     mismatch,
-    opened,
     outside_traces,
     placements_for,
 )
+from paramstore._format import CheckpointError, PathLike
+from paramstore._store import preview_names
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
 from paramstore.variable import Variable, set_initial_value
