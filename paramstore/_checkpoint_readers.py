@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator
 
-from paramstore import _orbax, _tf
+from paramstore import _orbax, _orbax_read, _tf
 from paramstore._checkpoint_file import SafetensorsFile
 from paramstore._format import PathLike, Reader
 
@@ -46,7 +46,7 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
     directory), a Keras ``.weights.h5`` file, or a paramstore file. Close it after use."""
     resolved = _resolve(path)
     if os.path.isdir(resolved) and _orbax.is_checkpoint(resolved):
-        return _orbax.ShardedCheckpoint(resolved)
+        return _orbax_read.ShardedCheckpoint(resolved)
     if _tf.is_prefix(resolved) or os.path.isdir(resolved):
         return _tf.TensorFlowCheckpoint(resolved)
     if _tf.is_hdf5(resolved):
