@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 # name, layers, width, batch (step.py's Config, built once jax may be imported)
 MODELS = {
@@ -43,6 +44,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
+    parser.add_argument(
+        "--checkpoint-mib", type=int, default=512, help="sharded checkpoint rows: total MiB"
+    )
+    parser.add_argument(
+        "--rows", nargs="*", default=["steps", "checkpoint"], choices=["steps", "checkpoint"]
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 10, 3
@@ -139,6 +146,10 @@ def main() -> None:
         f"({os.cpu_count()} host cores), mesh {dict(mesh.shape)}; "
         f"median of {args.repeats} interleaved runs"
     )
+    if "checkpoint" in args.rows:
+        checkpoint_rows(mesh, args.checkpoint_mib, max(3, args.repeats // 2))
+    if "steps" not in args.rows:
+        return
     worst = 0.0
     for key in args.models:
         cfg = Config(*MODELS[key])
@@ -166,6 +177,173 @@ def main() -> None:
                 worst = max(worst, b / ref[0], a / ref[1])
     print(f"\nworst ratio ps.function / jax.jit: {worst:.2f}x (target <= 1.10x)")
     sys.stdout.flush()
+
+
+# ------------------------------------------------------------------- checkpoint rows
+
+
+def checkpoint_rows(mesh: Any, mib: int, repeats: int) -> None:
+    """Sharded checkpoint of ``mib`` MiB (float32 arrays of 64 MiB, row- and column-sharded
+    over the mesh): ``ps.Saver(sharded=True)`` save/restore against plain Orbax on the same
+    arrays (same shardings, same composite layout); an async ``CheckpointManager.save``
+    against a synchronous one; and FSDP Adam steps while an async save is being written
+    against steps without. Medians of ``repeats``, paramstore and Orbax interleaved."""
+    import shutil
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import paramstore as ps
+
+    axis = mesh.axis_names[0]
+    count = max(1, mib // 64)
+    side = 4096 if mib >= 64 else max(64, int((mib * 2**18) ** 0.5) // 64 * 64)
+    rng = np.random.default_rng(0)
+    specs = [P(axis, None) if i % 2 == 0 else P(None, axis) for i in range(count)]
+    host = [rng.standard_normal((side, side), dtype=np.float32) for _ in range(count)]
+    arrays = [jax.device_put(h, NamedSharding(mesh, s)) for h, s in zip(host, specs)]
+    total = sum(a.nbytes for a in arrays) / 2**20
+    root = tempfile.mkdtemp(prefix="ps-sharded-bench-")
+    with ps.VariableStore():
+        variables = [ps.Variable(a, name=f"w{i}") for i, a in enumerate(arrays)]
+        saver = ps.Saver(variables, sharded=True)
+        tree = {f"v{i}": v.value() for i, v in enumerate(variables)}
+        targets = {
+            k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in tree.items()
+        }
+        restore_args = {
+            k: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
+            for k, a in tree.items()
+        }
+        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+        def orbax_save() -> None:
+            args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(tree))
+            checkpointer.save(os.path.join(root, "orbax"), args, force=True)
+
+        def orbax_restore() -> None:
+            args = ocp.args.Composite(
+                arrays=ocp.args.PyTreeRestore(item=targets, restore_args=restore_args)
+            )
+            out = checkpointer.restore(os.path.join(root, "orbax"), args)["arrays"]
+            jax.block_until_ready(out)
+
+        def ps_save() -> None:
+            saver.save(os.path.join(root, "ps"))
+
+        def ps_restore() -> None:
+            saver.restore(os.path.join(root, "ps"))
+            jax.block_until_ready([v.value() for v in variables])
+
+        times: dict[str, list[float]] = {k: [] for k in ("os", "or", "ps", "pr")}
+        if os.environ.get("PS_PROFILE"):
+            import cProfile
+            ps_save(); ps_restore()
+            cProfile.runctx("ps_save(); ps_restore()", globals(), locals(), sort="cumulative")
+        for r in range(repeats + 1):  # the first round compiles and warms the page cache
+            pairs = [("os", orbax_save), ("ps", ps_save), ("or", orbax_restore), ("pr", ps_restore)]
+            if r % 2:
+                pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
+            for key, fn in pairs:
+                gc.collect()
+                t0 = time.perf_counter()
+                fn()
+                if r:
+                    times[key].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(
+            f"\n## sharded checkpoint: {count} x {side}x{side} float32 ({total:.0f} MiB), "
+            f"mesh {dict(mesh.shape)}, median of {repeats}"
+        )
+        print(f"{'op':10} {'Orbax s':>9} {'paramstore s':>13} {'ratio':>7}")
+        print(f"{'save':10} {med['os']:9.3f} {med['ps']:13.3f} {med['ps'] / med['os']:7.2f}")
+        print(f"{'restore':10} {med['or']:9.3f} {med['pr']:13.3f} {med['pr'] / med['or']:7.2f}")
+
+        # async save: time for save() to return, and FSDP steps while it is written
+        with ps.device(NamedSharding(mesh, P(axis))):
+            w1 = ps.Variable(
+                rng.standard_normal((1024, 1024), dtype=np.float32) * 0.03, name="fsdp1"
+            )
+            w2 = ps.Variable(
+                rng.standard_normal((1024, 1024), dtype=np.float32) * 0.03, name="fsdp2"
+            )
+        opt = ps.Optimizer(optax.adam(1e-3), [w1, w2])
+        x = jax.device_put(
+            rng.standard_normal((256, 1024), dtype=np.float32), NamedSharding(mesh, P(axis))
+        )
+
+        @ps.function
+        def step(x: jax.Array) -> jax.Array:
+            def loss() -> jax.Array:
+                return jnp.mean((jax.nn.relu(x @ w1) @ w2 - x) ** 2)
+
+            value, grads = ps.value_and_grad(loss, [w1, w2])()
+            opt.apply_gradients(grads)
+            return value
+
+        for _ in range(3):
+            step(x).block_until_ready()
+
+        def steps(n: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step(x).block_until_ready()
+            return (time.perf_counter() - t0) / n
+
+        sync_manager = ps.CheckpointManager(
+            os.path.join(root, "sync"), variables, max_to_keep=1, sharded=True
+        )
+        async_manager = ps.CheckpointManager(
+            os.path.join(root, "async"), variables, max_to_keep=1, sharded=True, async_save=True
+        )
+        rows: dict[str, list[float]] = {k: [] for k in ("sync", "async", "alone", "during", "n")}
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            sync_manager.save(r)
+            sync_s = time.perf_counter() - t0
+            alone = steps(10)
+            t0 = time.perf_counter()
+            async_manager.save(r)
+            async_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            n = 0
+            while n < 5 or async_manager._orbax_pending and not _finished(async_manager):
+                step(x).block_until_ready()
+                n += 1
+                if n >= 200:
+                    break
+            during = (time.perf_counter() - t0) / n
+            async_manager.wait()
+            if r:
+                for k, v in zip(rows, (sync_s, async_s, alone, during, n)):
+                    rows[k].append(v)
+        m = {k: statistics.median(v) for k, v in rows.items()}
+        print(
+            f"\n## async sharded save ({total:.0f} MiB) and FSDP Adam steps (2 x 1024x1024) meanwhile"
+        )
+        print(f"{'':34} {'s / step ms':>12} {'ratio':>7}")
+        print(f"{'synchronous CheckpointManager.save':34} {m['sync'] * 1e3:12.1f} {1:7.2f}")
+        print(
+            f"{'async save() returns after':34} {m['async'] * 1e3:12.1f} {m['async'] / m['sync']:7.3f}"
+        )
+        print(f"{'step, no save':34} {m['alone'] * 1e3:12.2f} {1:7.2f}")
+        print(
+            f"{'step during the async save':34} {m['during'] * 1e3:12.2f} {m['during'] / m['alone']:7.2f}"
+            f"   ({m['n']:.0f} steps)"
+        )
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _finished(manager: Any) -> bool:
+    """Whether a manager's background sharded save has finished (benchmark only)."""
+    thread = getattr(manager._orbax_async, "_thread", None)
+    return thread is None or not thread.is_alive()
 
 
 if __name__ == "__main__":
