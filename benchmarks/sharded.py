@@ -242,10 +242,6 @@ def checkpoint_rows(mesh: Any, mib: int, repeats: int) -> None:
             jax.block_until_ready([v.value() for v in variables])
 
         times: dict[str, list[float]] = {k: [] for k in ("os", "or", "ps", "pr")}
-        if os.environ.get("PS_PROFILE"):
-            import cProfile
-            ps_save(); ps_restore()
-            cProfile.runctx("ps_save(); ps_restore()", globals(), locals(), sort="cumulative")
         for r in range(repeats + 1):  # the first round compiles and warms the page cache
             pairs = [("os", orbax_save), ("ps", ps_save), ("or", orbax_restore), ("pr", ps_restore)]
             if r % 2:
