@@ -1,6 +1,8 @@
 """A data-parallel Adam step on 8 devices: ps.function against hand-written jax.jit.
 
-Run: ``python benchmarks/sharded.py`` (``--quick`` for a short run, ``--devices N``).
+Run: ``python benchmarks/sharded.py`` (``--quick`` for a short run, ``--devices N``,
+``--rows dp checkpoint`` to pick row groups; ``checkpoint_rows``: a sharded checkpoint of
+``--checkpoint-mib`` MiB against plain Orbax, async saves and steps during them).
 
 Both variants train the same MLP with ``optax.adam`` on a 1-D ``"data"`` mesh: parameters
 and optimizer state replicated (``P()``), the batch split over the devices (``P("data")``).
@@ -47,9 +49,7 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint-mib", type=int, default=512, help="sharded checkpoint rows: total MiB"
     )
-    parser.add_argument(
-        "--rows", nargs="*", default=["steps", "checkpoint"], choices=["steps", "checkpoint"]
-    )
+    parser.add_argument("--rows", nargs="*", default=["dp", "checkpoint"])
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 10, 3
@@ -147,8 +147,8 @@ def main() -> None:
         f"median of {args.repeats} interleaved runs"
     )
     if "checkpoint" in args.rows:
-        checkpoint_rows(mesh, args.checkpoint_mib, max(3, args.repeats // 2))
-    if "steps" not in args.rows:
+        checkpoint_rows(args)
+    if "dp" not in args.rows:
         return
     worst = 0.0
     for key in args.models:
@@ -182,12 +182,13 @@ def main() -> None:
 # ------------------------------------------------------------------- checkpoint rows
 
 
-def checkpoint_rows(mesh: Any, mib: int, repeats: int) -> None:
+def checkpoint_rows(args: argparse.Namespace) -> None:
     """Sharded checkpoint of ``mib`` MiB (float32 arrays of 64 MiB, row- and column-sharded
     over the mesh): ``ps.Saver(sharded=True)`` save/restore against plain Orbax on the same
     arrays (same shardings, same composite layout); an async ``CheckpointManager.save``
     against a synchronous one; and FSDP Adam steps while an async save is being written
-    against steps without. Medians of ``repeats``, paramstore and Orbax interleaved."""
+    against steps without. Medians of ``--repeats // 2`` (at least 3), paramstore and Orbax
+    interleaved; the size is ``--checkpoint-mib``."""
     import shutil
     import tempfile
 
@@ -196,11 +197,13 @@ def checkpoint_rows(mesh: Any, mib: int, repeats: int) -> None:
     import numpy as np
     import optax
     import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding
+    from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import paramstore as ps
 
+    mib, repeats = args.checkpoint_mib, max(3, args.repeats // 2)
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(AxisType.Auto,))
     axis = mesh.axis_names[0]
     count = max(1, mib // 64)
     side = 4096 if mib >= 64 else max(64, int((mib * 2**18) ** 0.5) // 64 * 64)
