@@ -162,7 +162,7 @@ class _Plan:
         self.processes = jax.process_count()
         self.entries: list[dict[str, Any]] = []
         self.arrays: dict[str, Any] = {}
-        self.pending: dict[str, list[tuple[integrity.Box, jax.Array]]] = {}
+        mine: dict[str, Any] = {}
         for i, (name, x) in enumerate(values.items()):
             dtype = np.dtype(x.dtype)
             entry: dict[str, Any] = {
@@ -181,8 +181,9 @@ class _Plan:
                     self.processes > 1 and value.is_fully_addressable
                 )
                 if not local or self.process == 0:  # a local value is process 0's
-                    self.pending[key] = integrity.dispatch_sums(value)  # runs on the devices
+                    mine[key] = value
             self.entries.append(entry)
+        self.pending = integrity.dispatch_sums(mine)  # runs on the devices, not waited for
 
     def finish(self) -> None:
         """After Orbax finished: write this process's sums and file digests, and (process

@@ -86,7 +86,7 @@ class ShardedCheckpoint:
                 f"be read ({type(e).__name__}: {e}). Restore another checkpoint."
             ) from None
         problems: list[str] = []
-        pending: dict[str, list[tuple[integrity.Box, jax.Array]]] = {}
+        checkable: dict[str, Any] = {}
         for key, name in keys.items():
             value = out[name]
             meta = self._meta[name]
@@ -96,7 +96,8 @@ class ShardedCheckpoint:
                     f"{value.dtype}, but its metadata says {meta['shape']} and {meta['dtype']}"
                 )
                 continue
-            pending[key] = integrity.dispatch_sums(value)
+            checkable[key] = value
+        pending = integrity.dispatch_sums(checkable)
         partial: dict[str, integrity.Sums] = {}
         is_global: dict[str, bool] = {}
         for key, started in pending.items():

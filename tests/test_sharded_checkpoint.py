@@ -61,7 +61,7 @@ def reference_sums(a: np.ndarray) -> tuple[int, int]:
 
 
 def sums_of(x) -> tuple[int, int]:
-    return integrity.total(s for _, s in integrity.fetch(integrity.dispatch_sums(x)))
+    return integrity.total(s for _, s in integrity.fetch(integrity.dispatch_sums({"x": x})["x"]))
 
 
 @pytest.fixture
@@ -164,7 +164,14 @@ def test_the_sums_program_needs_no_temporary_the_size_of_a_shard():
 def test_coverage_of_shards():
     assert integrity.uncovered((4, 4), [((0, 2), (0, 4)), ((2, 4), (0, 4))]) is None
     assert "hold 8 of its 16" in integrity.uncovered((4, 4), [((0, 2), (0, 4))])
-    assert "overlap" in integrity.uncovered((4, 4), [((0, 3), (0, 4)), ((2, 4), (0, 4))])
+    assert "hold 20 of its 16" in integrity.uncovered((4, 4), [((0, 3), (0, 4)), ((2, 4), (0, 4))])
+    # the right volume, but overlapping (and so leaving a gap)
+    assert integrity.uncovered((4, 4), [((0, 2), (0, 4)), ((1, 3), (0, 4))]) == "its shards overlap"
+    tiles = [((0, 2), (0, 2)), ((0, 2), (2, 4)), ((2, 4), (0, 2)), ((2, 4), (0, 2))]
+    assert integrity.uncovered((4, 4), tiles) == "its shards overlap"  # a gap at [2:4, 2:4]
+    tiles[-1] = ((2, 4), (2, 4))
+    assert integrity.uncovered((4, 4), tiles) is None
+    assert integrity.uncovered((), [()]) is None
     assert "outside" in integrity.uncovered((4, 4), [((0, 5), (0, 4))])
 
 
@@ -461,13 +468,18 @@ def check_shard_sums_run_on_the_devices_holding_the_shards(tmp: Path) -> None:
     x = jax.device_put(
         np.arange(64 * 32, dtype=np.float32).reshape(64, 32), NamedSharding(mesh, P("a"))
     )
-    pending = integrity.dispatch_sums(x)
-    # replicated over "b": one shard per row block is summed (replica 0), on its device
-    assert len(pending) == 4
+    y = jax.device_put(np.ones((8, 16), np.int32), NamedSharding(mesh, P(None, ("a", "b"))))
+    pending = integrity.dispatch_sums({"x": x, "y": y})
+    # x is replicated over "b": one shard per row block is summed (replica 0), on its device
+    assert len(pending["x"]) == 4 and len(pending["y"]) == 8
     holders = {s.device for s in x.addressable_shards if s.replica_id == 0}
-    assert {p.devices().pop() for _, p in pending} == holders
+    assert {p.devices().pop() for _, p, _ in pending["x"]} == holders
     assert sums_of(x) == reference_sums(np.asarray(x))
-    program = integrity._spmd_sums(x.sharding, x.shape, np.dtype(np.float32))
+    assert integrity.total(s for _, s in integrity.fetch(pending["y"])) == reference_sums(
+        np.asarray(y)
+    )
+    signature = ((("a", None), x.shape, np.dtype(np.float32)),)
+    program = integrity._spmd_sums(mesh, signature)  # the one program for both arrays
     temp = program.lower(x).compile().memory_analysis().temp_size_in_bytes
     assert temp < x.nbytes / 4, temp  # per device, far below a shard (a quarter of x)
 
