@@ -224,18 +224,29 @@ def checkpoint_rows(args: argparse.Namespace) -> None:
             k: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
             for k, a in tree.items()
         }
-        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-
-        def orbax_save() -> None:
-            args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(tree))
-            checkpointer.save(os.path.join(root, "orbax"), args, force=True)
-
-        def orbax_restore() -> None:
-            args = ocp.args.Composite(
-                arrays=ocp.args.PyTreeRestore(item=targets, restore_args=restore_args)
+        zstd = ocp.Checkpointer(ocp.CompositeCheckpointHandler())  # Orbax's default
+        raw = ocp.Checkpointer(  # what paramstore writes: no zstd
+            ocp.CompositeCheckpointHandler(
+                arrays=ocp.PyTreeCheckpointHandler(use_compression=False)
             )
-            out = checkpointer.restore(os.path.join(root, "orbax"), args)["arrays"]
-            jax.block_until_ready(out)
+        )
+
+        def orbax_save(checkpointer: Any, name: str) -> Callable[[], None]:
+            def run() -> None:
+                args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(tree))
+                checkpointer.save(os.path.join(root, name), args, force=True)
+
+            return run
+
+        def orbax_restore(checkpointer: Any, name: str) -> Callable[[], None]:
+            def run() -> None:
+                args = ocp.args.Composite(
+                    arrays=ocp.args.PyTreeRestore(item=targets, restore_args=restore_args)
+                )
+                out = checkpointer.restore(os.path.join(root, name), args)["arrays"]
+                jax.block_until_ready(out)
+
+            return run
 
         def ps_save() -> None:
             saver.save(os.path.join(root, "ps"))
@@ -244,25 +255,43 @@ def checkpoint_rows(args: argparse.Namespace) -> None:
             saver.restore(os.path.join(root, "ps"))
             jax.block_until_ready([v.value() for v in variables])
 
-        times: dict[str, list[float]] = {k: [] for k in ("os", "or", "ps", "pr")}
+        saves = {
+            "Orbax (zstd, default)": orbax_save(zstd, "zstd"),
+            "Orbax, no zstd": orbax_save(raw, "raw"),
+            "paramstore": ps_save,
+        }
+        restores = {
+            "Orbax (zstd, default)": orbax_restore(zstd, "zstd"),
+            "Orbax, no zstd": orbax_restore(raw, "raw"),
+            "paramstore": ps_restore,
+        }
+        times: dict[tuple[str, str], list[float]] = {}
         for r in range(repeats + 1):  # the first round compiles and warms the page cache
-            pairs = [("os", orbax_save), ("ps", ps_save), ("or", orbax_restore), ("pr", ps_restore)]
-            if r % 2:
-                pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
-            for key, fn in pairs:
-                gc.collect()
-                t0 = time.perf_counter()
-                fn()
-                if r:
-                    times[key].append(time.perf_counter() - t0)
+            for op, fns in (("save", saves), ("restore", restores)):
+                order = list(fns) if r % 2 else list(reversed(fns))
+                for name in order:
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    fns[name]()
+                    if r:
+                        times.setdefault((op, name), []).append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(
             f"\n## sharded checkpoint: {count} x {side}x{side} float32 ({total:.0f} MiB), "
             f"mesh {dict(mesh.shape)}, median of {repeats}"
         )
-        print(f"{'op':10} {'Orbax s':>9} {'paramstore s':>13} {'ratio':>7}")
-        print(f"{'save':10} {med['os']:9.3f} {med['ps']:13.3f} {med['ps'] / med['os']:7.2f}")
-        print(f"{'restore':10} {med['or']:9.3f} {med['pr']:13.3f} {med['pr'] / med['or']:7.2f}")
+        names = list(saves)
+        print(
+            f"{'op':8} "
+            + " ".join(f"{n + ' s':>22}" for n in names)
+            + "   ps / Orbax default, / no zstd"
+        )
+        for op in ("save", "restore"):
+            ps_s = med[(op, "paramstore")]
+            cells = " ".join(f"{med[(op, n)]:22.3f}" for n in names)
+            print(
+                f"{op:8} {cells}   {ps_s / med[(op, names[0])]:7.2f} {ps_s / med[(op, names[1])]:7.2f}"
+            )
 
         # async save: time for save() to return, and FSDP steps while it is written
         with ps.device(NamedSharding(mesh, P(axis))):

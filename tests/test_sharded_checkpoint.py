@@ -404,6 +404,25 @@ def test_saves_to_one_path_from_two_threads_are_serialized(tmp_path):
     assert set(w.numpy().tolist()) in ({1.0}, {2.0})
 
 
+@pytest.mark.slow
+def test_the_checkpoint_rows_of_the_sharded_benchmark_run():
+    """Smoke only (figures are read by people): benchmarks/sharded.py --rows checkpoint."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "sharded.py"), "--rows", "checkpoint"]
+        + ["--checkpoint-mib", "4", "--repeats", "2", "--devices", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ps / Orbax default, / no zstd" in done.stdout
+    assert "async save() returns after" in done.stdout
+
+
 # --------------------------------------------------------------------- 8 devices
 
 
