@@ -1,6 +1,6 @@
 """The functional core: ``state``, ``pure``, ``update``, ``grad``, ``value_and_grad``.
 
-Contract (API.md, "The functional core"):
+Contract (docs/api.md, "The functional core"):
 
 * ``state(vars_or_module)`` -> an immutable ``State`` mapping ``{name: jax.Array}``, a
   pytree keyed by the variables' full names (or a dict's keys), in the variables' order.

@@ -1,6 +1,6 @@
 """``ps.Module``: a container that finds the Variables and Modules it holds.
 
-Contract (API.md, "Modules"):
+Contract (docs/api.md, "Modules"):
 
 * Variables and Modules assigned as attributes, or held in lists, tuples and dicts (any
   nesting) of attributes, are tracked. Traversal follows ``tf.Module._flatten`` exactly:

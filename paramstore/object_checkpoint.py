@@ -1,6 +1,6 @@
 """``ps.Checkpoint``: object-based checkpoints, as ``tf.train.Checkpoint``.
 
-Contract (API.md, "Checkpoints"; docs/checkpoints.md):
+Contract (docs/api.md, "Checkpoints"; docs/checkpoints.md):
 
 * ``Checkpoint(**objects)``: each keyword names a Module, an Optimizer, a Variable, a
   ``ps.random.Generator`` (any object whose ``.state`` is a Variable), another Checkpoint,

@@ -1,6 +1,6 @@
 """``ps.Optimizer``: any optax ``GradientTransformation`` over Variables.
 
-Contract (API.md, "Optimizers"):
+Contract (docs/api.md, "Optimizers"):
 
 * ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is a list or
   tuple of Variables, a dict ``{key: Variable}``, or a Module (then its

@@ -1,6 +1,6 @@
 """Device placement and sharding of variables, on JAX's own distributed runtime.
 
-Contract (API.md, "Devices and sharding"; docs/sharding.md has the guide):
+Contract (docs/api.md, "Devices and sharding"; docs/sharding.md has the guide):
 
 * ``with ps.device("cpu:0"):`` (also ``"gpu:1"``, ``"/device:GPU:1"``, ``"cpu"`` for the
   first one, or a ``jax.Device``) places every Variable created inside on that device. A

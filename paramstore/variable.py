@@ -1,6 +1,6 @@
 """``ps.Variable``: a stateful facade over an immutable ``jax.Array``.
 
-Contract (see API.md, "Variables"):
+Contract (see docs/api.md, "Variables"):
 
 * A Variable holds one immutable array. ``assign`` builds a new array and swaps it in, so a
   value read before an assign keeps its old contents. Shape and dtype never change.
