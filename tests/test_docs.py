@@ -127,6 +127,25 @@ def test_docs_pages_point_to_docs_api_md_not_a_missing_file():
     assert not stale, f"references to a missing API.md (use docs/api.md): {stale}"
 
 
+def _local_links(markdown: str) -> list[str]:
+    """The relative link targets of ``[text](target)`` in a Markdown text, anchors dropped."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", markdown)
+    return [t.split("#")[0] for t in targets if not re.match(r"[a-z]+:|#", t) and t.split("#")[0]]
+
+
+def test_readme_links_point_to_files_that_exist():
+    """The README (read on GitHub, outside the site) links to the site's pages' sources."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = _local_links(readme)
+    assert "docs/guides/keras.md" in links and "docs/api.md" in links
+    broken = [t for t in links if not (ROOT / t).exists()]
+    assert not broken, f"README links to missing files: {broken}"
+    assert _local_links("[a](docs/x.md#y) [b](https://e.org) [c](#z) [d](./e.md)") == [
+        "docs/x.md",
+        "./e.md",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
