@@ -91,6 +91,15 @@ def test_reference_covers_every_module_and_name():
     assert set(top) == {n for n in ps.__all__ if not inspect.ismodule(getattr(ps, n))}
 
 
+def test_pages_missing_from_the_nav_are_found():
+    """The hook lists a docs page that mkdocs.yml's nav forgot, instead of failing the build."""
+    hook = _hook()
+    nav = [{"Home": "index.md"}, {"Guides": [{"Keras": "guides/keras.md"}]}, "api.md"]
+    assert hook._nav_paths(nav) == {"index.md", "guides/keras.md", "api.md"}
+    assert hook._title("intro\n# The `Metrics` page\n## x", "m.md") == "The Metrics page"
+    assert hook._title("no heading", "m.md") == "m.md"
+
+
 def test_every_public_name_exists_and_has_a_docstring():
     missing = [f"{m.__name__}.{n}" for m, n in _public() if not hasattr(m, n)]
     assert not missing, f"names in __all__ that do not exist: {missing}"

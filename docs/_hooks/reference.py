@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # mkdocs is imported when the hook runs, not when tests impor
 
 PACKAGE = "paramstore"
 SECTION = "API reference"
+OTHER = "Design"  # the nav section that receives pages nobody listed in mkdocs.yml
 # Public submodules that ``paramstore.__all__`` does not list (yet): documented all the same.
 EXTRA_MODULES = ("sharding",)
 
@@ -118,10 +119,44 @@ def on_config(config: MkDocsConfig, **_: Any) -> MkDocsConfig:
     return config
 
 
+def _nav_paths(nav: Any) -> set[str]:
+    """Every page path named in a ``nav`` list (nested sections included)."""
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, dict):
+        return set().union(*(_nav_paths(v) for v in nav.values()))
+    if isinstance(nav, list):
+        return set().union(*(_nav_paths(v) for v in nav))
+    return set()
+
+
+def _title(markdown: str, default: str) -> str:
+    for line in markdown.splitlines():
+        if line.startswith("# "):
+            return line[2:].replace("`", "").strip()
+    return default
+
+
 def on_files(files: Files, config: MkDocsConfig, **_: Any) -> Files:
     File = importlib.import_module("mkdocs.structure.files").File
     pages = reference_pages()
     files.append(File.generated(config, "reference/index.md", content=_index(pages)))
     for path, (title, module, members) in pages.items():
         files.append(File.generated(config, path, content=_page(title, module, members)))
+    # A page added to docs/ without a nav entry goes under OTHER (in the order of its file
+    # name) instead of failing the strict build as an omitted page.
+    listed = _nav_paths(config.nav)
+    extra = [
+        {_title(f.content_string, f.src_uri): f.src_uri}
+        for f in sorted(files.documentation_pages(), key=lambda f: f.src_uri)
+        if f.src_uri not in listed
+    ]
+    if extra:
+        nav = list(config.nav or [])
+        section = next((i for i in nav if isinstance(i, dict) and OTHER in i), None)
+        if section is None:
+            nav.insert(len(nav) - 1, {OTHER: extra})  # before the API reference
+        else:
+            section[OTHER] = [*section[OTHER], *extra]
+        config.nav = nav
     return files
