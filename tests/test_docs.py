@@ -126,6 +126,14 @@ def test_docstring_check_detects_a_missing_docstring(tmp_path, monkeypatch):
         sys.modules.pop("_docs_probe", None)
 
 
+def test_api_overview_names_every_public_name():
+    """docs/api.md, the one-page overview, names every public name in a code span."""
+    api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    words = {w for span in re.findall(r"`([^`]+)`", api) for w in re.findall(r"\w+", span)}
+    absent = [f"{m.__name__}.{n}" for m, n in _public() if n not in words]
+    assert not absent, f"public names that docs/api.md does not mention: {absent}"
+
+
 def test_docs_pages_point_to_docs_api_md_not_a_missing_file():
     """Docstrings cite ``docs/api.md`` (the file that exists), never a bare ``API.md``."""
     stale = []
