@@ -18,6 +18,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import paramstore as ps
@@ -161,6 +165,56 @@ def test_readme_links_point_to_files_that_exist():
         "docs/x.md",
         "./e.md",
     ]
+
+
+def jax_softmax(x: object) -> jax.Array:
+    return jax.nn.softmax(jax.numpy.asarray(x, "float32"))
+
+
+def _loss_rows() -> list[tuple[str, str, str, str, str]]:
+    """(Keras class, its arguments, first and second call argument, optax expression) for
+    each row of the Keras guide's losses table written as a call."""
+    text = (ROOT / "docs" / "guides" / "keras.md").read_text(encoding="utf-8")
+    table = text[text.index("## Losses: Keras to optax") :]
+    return re.findall(r"^\| `(\w+)\(([^)]*)\)\((\w+), (\w+)\)`[^|]*\| `([^`]+)`", table, re.M)
+
+
+def test_keras_to_optax_losses_table_is_right():
+    """Each row of the guide's table gives Keras 3's value (documented claims, checked)."""
+    keras = pytest.importorskip("keras")
+
+    rows = _loss_rows()
+    assert len(rows) >= 10, rows
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 5)).astype("float32")
+    labels = rng.integers(0, 5, 6)
+    base = {
+        "jnp": jnp,
+        "logits": logits,
+        "labels": labels,
+        "onehot": np.eye(5, dtype="float32")[labels],
+        "y": rng.normal(size=(6, 3)).astype("float32"),
+        "p": rng.normal(size=(6, 3)).astype("float32"),
+    }
+    special = {  # inputs of the kind each loss is defined for
+        "BinaryCrossentropy": {
+            "y": rng.integers(0, 2, (6, 1)).astype("float32"),
+            "logits": rng.normal(size=(6, 1)).astype("float32"),
+        },
+        "Hinge": {
+            "y": rng.integers(0, 2, (6,)).astype("float32"),
+            "p": rng.normal(size=(6,)).astype("float32"),
+        },
+        "KLDivergence": {
+            "y": np.asarray(jax_softmax(rng.normal(size=(6, 5)))),
+            "p": np.asarray(jax_softmax(rng.normal(size=(6, 5)))),
+        },
+    }
+    for cls, args, a, b, optax_expr in rows:
+        env = {**base, **special.get(cls, {})}
+        want = float(eval(f"keras.losses.{cls}({args})({a}, {b})", {"keras": keras, **env}))
+        got = float(eval(optax_expr, {**vars(optax.losses), **env}))
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (cls, want, got)
 
 
 @pytest.mark.slow
