@@ -171,6 +171,28 @@ def jax_softmax(x: object) -> jax.Array:
     return jax.nn.softmax(jax.numpy.asarray(x, "float32"))
 
 
+def test_block_until_ready_advice_in_the_performance_guide():
+    """The guide says: block on ps.state(model), since a Module is one opaque pytree leaf."""
+    with ps.VariableStore():
+        model = ps.nn.Dense(3)
+        model(jnp.ones((2, 4)))
+
+    @ps.function
+    def step(x):
+        for v in model.variables:
+            v.assign(v * 0.5 + jnp.sum(x))
+
+    step(jnp.ones((64, 64)))
+    assert jax.tree_util.tree_leaves(model) == [model]  # so block_until_ready(model) is a no-op
+    values = jax.block_until_ready(ps.state(model))
+    leaves = jax.tree_util.tree_leaves(values)
+    assert len(leaves) == len(model.variables) == 2
+    assert all(leaf.is_ready() for leaf in leaves)
+    assert all(v.value().is_ready() for v in model.variables)
+    guide = (ROOT / "docs" / "guides" / "performance.md").read_text(encoding="utf-8")
+    assert "jax.block_until_ready(ps.state(model))" in guide
+
+
 def _loss_rows() -> list[tuple[str, str, str, str, str]]:
     """(Keras class, its arguments, first and second call argument, optax expression) for
     each row of the Keras guide's losses table written as a call."""
