@@ -110,7 +110,10 @@ def test_every_public_name_exists_and_has_a_docstring():
     undocumented = [
         f"{m.__name__}.{n}" for m, n in _public() if not (_docstring(m, n) or "").strip()
     ]
-    assert not undocumented, f"public names without a docstring: {undocumented}"
+    assert not undocumented, (
+        f"public names without a docstring: {undocumented} (a class or function: a docstring; "
+        "a constant or type alias: a string literal on the line after its assignment)"
+    )
 
 
 def test_docstring_check_detects_a_missing_docstring(tmp_path, monkeypatch):
@@ -135,7 +138,10 @@ def test_api_overview_names_every_public_name():
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     words = {w for span in re.findall(r"`([^`]+)`", api) for w in re.findall(r"\w+", span)}
     absent = [f"{m.__name__}.{n}" for m, n in _public() if n not in words]
-    assert not absent, f"public names that docs/api.md does not mention: {absent}"
+    assert not absent, (
+        f"public names that docs/api.md does not mention: {absent} (name each in backticks "
+        "in its section, with its signature and contract)"
+    )
 
 
 def test_docs_pages_point_to_docs_api_md_not_a_missing_file():
@@ -145,7 +151,10 @@ def test_docs_pages_point_to_docs_api_md_not_a_missing_file():
         for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if re.search(r"(?<![/\w])API\.md", line):
                 stale.append(f"{path.relative_to(ROOT)}:{lineno}")
-    assert not stale, f"references to a missing API.md (use docs/api.md): {stale}"
+    assert not stale, (
+        f"references to a missing API.md (use docs/api.md): {stale}; fix with: sed -i "
+        "'s#(API\\.md#(docs/api.md#; s#(see API\\.md#(see docs/api.md#' FILES"
+    )
 
 
 def _local_links(markdown: str) -> list[str]:
