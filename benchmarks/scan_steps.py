@@ -5,8 +5,8 @@ decides the advice in docs/guides/performance.md. Two models, the same 42 steps 
 (an epoch of scikit-learn's digits at that batch size):
 
 * ``conv``: two 3x3 ``lax.conv_general_dilated`` layers (32, 64 filters) on 8x8x1 inputs
-  and a dense head. On CPU the scanned program is many times slower: XLA compiles the
-  convolutions inside a ``while`` loop body to a slower kernel than the standalone step.
+  and a dense head. On CPU the scanned program is many times slower: XLA's code for the
+  convolutions inside a ``while`` loop body is far slower than in the standalone step.
 * ``mlp``: two dense layers (64 -> 256 -> 256 -> 10). Here the scan saves the per-call
   dispatch.
 
