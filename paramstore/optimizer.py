@@ -70,11 +70,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from paramstore._optim_grads import Targets
 from paramstore._optim_slots import hyperparam_leaves, slot_names
+from paramstore._traverse import Key, Relative
 from paramstore.function import function
 from paramstore.module import Module
 from paramstore.variable import Variable
 
 __all__ = ["Optimizer"]
+
+
+# The optimizer's own attributes, visited through _ps_children (not by attribute name).
+_OWN_ATTRIBUTES = frozenset(
+    (
+        "_tx",
+        "_targets",
+        "_jit_compile",
+        "_iterations",
+        "_treedef",
+        "_state_variables",
+        "_state_keys",
+        "_hyper",
+        "_compiled",
+    )
+)
 
 
 class _Hidden:
@@ -164,10 +181,23 @@ class Optimizer(Module):
             )
             for arr, slot, owner in zip(leaves, names, owners)
         ]
+        # checkpoint keys: a slot under its parameter's path, never its position
+        self._state_keys: list[Key] = [
+            slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
+            for slot, owner in zip(names, owners)
+        ]
         self._hyper = _Hidden(
             [(short, self._state_variables[j]) for j, short in hyperparam_leaves(paths)]
         )
         self._compiled: Callable[..., Any] = function(self._step)
+
+    def _ps_children(self) -> list[tuple[Key, Any]]:
+        """What the shared traversal visits (``Module.variables``, ``ps.Checkpoint``): the
+        step counter, then each state variable keyed by its parameter's path and its optax
+        path (``Relative``), then any attribute a subclass added."""
+        own = [("iterations", self._iterations), *zip(self._state_keys, self._state_variables)]
+        extra = [(k, v) for k, v in super()._ps_children() if k not in _OWN_ATTRIBUTES]
+        return [*own, *extra]
 
     @staticmethod
     def by_name(fn: Callable[[str], Any]) -> Callable[[Any], Any]:
