@@ -28,7 +28,7 @@ from typing import Any
 from paramstore import scope as _scope
 from paramstore._context import Scope, ctx, prefixed
 from paramstore._store import default_store
-from paramstore._traverse import Node, walk
+from paramstore._traverse import Key, Node, walk
 from paramstore.variable import Variable
 
 __all__ = ["Module"]
@@ -136,7 +136,7 @@ class Module(Node):
     def _flatten(self, predicate: Callable[[Any], bool]) -> Iterator[Any]:
         return (x for _, x in walk(self) if x is not self and predicate(x))
 
-    def _ps_children(self) -> list[tuple[str, Any]]:
+    def _ps_children(self) -> list[tuple[Key, Any]]:
         """The attributes the traversal visits, sorted by name (``paramstore._traverse``)."""
         attrs = vars(self)
         return [(k, attrs[k]) for k in sorted(attrs) if k not in _UNTRACKED]
