@@ -8,7 +8,16 @@ from paramstore._placement import device
 from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.function import Function, function
-from paramstore.functional import State, grad, pure, state, update, value_and_grad
+from paramstore.functional import (
+    State,
+    grad,
+    non_trainable,
+    pure,
+    state,
+    trainable,
+    update,
+    value_and_grad,
+)
 from paramstore.module import Module
 from paramstore.object_checkpoint import Checkpoint
 from paramstore.optimizer import Optimizer
@@ -46,10 +55,12 @@ __all__ = [
     "initializers",
     "name_scope",
     "nn",
+    "non_trainable",
     "pure",
     "random",
     "state",
     "summary",
+    "trainable",
     "update",
     "value_and_grad",
     "variable_scope",

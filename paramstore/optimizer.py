@@ -2,16 +2,19 @@
 
 Contract (docs/api.md, "Optimizers"):
 
-* ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is a list or
-  tuple of Variables, a dict ``{key: Variable}``, or a Module (then its
-  ``trainable_variables`` *at construction*: build the model before its optimizer), or any
-  other collection ``ps.grad`` accepts (Modules in a list, nested lists...: then optax sees
-  a flat list in ``paramstore._collect``'s order). One bare Variable is a TypeError (wrap
-  it in a list: gradients come back in the structure of ``variables``).
-  ``name`` must be a str (else TypeError, and nothing is created).
+* ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is any
+  collection ``ps.grad`` accepts, read by the same parser (``paramstore._collect``): a
+  list or tuple of Variables, a dict ``{key: Variable}``, a Module (then its
+  ``trainable_variables`` *at construction*: build the model before its optimizer), Modules
+  in a list, nested lists... One bare Variable is a TypeError (wrap it in a list:
+  gradients come back in the structure of ``variables``). A variable the collection
+  reaches twice (``[v, v]``, ``[dense, dense]``, ``[model, model.dense]``) is a ValueError
+  naming it: a step updates each variable once (``ps.grad`` gives such a variable its full
+  gradient in each place). ``name`` must be a str (else TypeError, and nothing is created).
 * Masks and labels by name: optax sees the parameters as a pytree shaped like
-  ``variables`` (a list, tuple or dict with the same keys); for a Module, a dict keyed by
-  the variables' full names (``"dense/kernel"``). So ``optax.adamw(1e-3,
+  ``variables`` (a list, tuple or dict with the same keys); for a Module or a nested
+  collection (Modules in a list...), a dict keyed by the variables' full names
+  (``"dense/kernel"``). So ``optax.adamw(1e-3,
   mask=lambda p: {k: not k.endswith("bias") for k in p})`` leaves the biases out of weight
   decay, and ``optax.multi_transform(txs, lambda p: {k: "slow" if k.startswith("emb")
   else "fast" for k in p})`` labels by name. ``ps.Optimizer.by_name(fn)`` wraps
@@ -28,6 +31,9 @@ Contract (docs/api.md, "Optimizers"):
   ``"optimizer/hyperparams/learning_rate"``); list indices of ``optax.chain`` are left out
   unless two names would collide. Slots are placed like their variable (same sharding);
   counters and other shared state replicated over the first variable's devices.
+  In a ``ps.Checkpoint`` a slot is keyed by its parameter's path and its optax path
+  (``optimizer/model/dense/kernel/mu``), never by position (``_ps_children`` gives the
+  shared traversal ``Relative`` keys), so adding a layer shifts no other key.
   So the state checkpoints, threads through ``ps.function`` (and is donated there) like
   any other state. ``opt.variables`` is all of it, ``opt.iterations`` (an int32 step
   counter, incremented by each ``apply_gradients``) first. An Optimizer is a
@@ -35,7 +41,8 @@ Contract (docs/api.md, "Optimizers"):
   module's ``variables``.
 * ``opt.apply_gradients(grads, **extra_args)``: ``grads`` has the structure of
   ``variables``, as ``ps.grad(fn, variables)`` returns it (a list or tuple for a list or
-  tuple, a dict with the same keys for a dict, a tuple for a Module), or is the TF form
+  tuple, a dict with the same keys for a dict, a tuple for a Module, a list of tuples for
+  a list of Modules; a nested collection's gradients may also come flat), or is the TF form
   ``zip(grads, vars)``, which must name every optimized variable once. It runs one
   ``tx.update`` on the whole pytree (``extra_args`` go to it, e.g. ``value=loss`` for
   ``optax.contrib.reduce_on_plateau``), one ``optax.apply_updates``, and assigns.
@@ -70,11 +77,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from paramstore._optim_grads import Targets
 from paramstore._optim_slots import hyperparam_leaves, slot_names
+from paramstore._traverse import Key, Relative
 from paramstore.function import function
 from paramstore.module import Module
 from paramstore.variable import Variable
 
 __all__ = ["Optimizer"]
+
+
+# The optimizer's own attributes, visited through _ps_children (not by attribute name).
+_OWN_ATTRIBUTES = frozenset(
+    (
+        "_tx",
+        "_targets",
+        "_jit_compile",
+        "_iterations",
+        "_treedef",
+        "_state_variables",
+        "_state_keys",
+        "_hyper",
+        "_compiled",
+    )
+)
 
 
 class _Hidden:
@@ -164,10 +188,23 @@ class Optimizer(Module):
             )
             for arr, slot, owner in zip(leaves, names, owners)
         ]
+        # checkpoint keys: a slot under its parameter's path, never its position
+        self._state_keys: list[Key] = [
+            slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
+            for slot, owner in zip(names, owners)
+        ]
         self._hyper = _Hidden(
             [(short, self._state_variables[j]) for j, short in hyperparam_leaves(paths)]
         )
         self._compiled: Callable[..., Any] = function(self._step)
+
+    def _ps_children(self) -> list[tuple[Key, Any]]:
+        """What the shared traversal visits (``Module.variables``, ``ps.Checkpoint``): the
+        step counter, then each state variable keyed by its parameter's path and its optax
+        path (``Relative``), then any attribute a subclass added."""
+        own = [("iterations", self._iterations), *zip(self._state_keys, self._state_variables)]
+        extra = [(k, v) for k, v in super()._ps_children() if k not in _OWN_ATTRIBUTES]
+        return [*own, *extra]
 
     @staticmethod
     def by_name(fn: Callable[[str], Any]) -> Callable[[Any], Any]:

@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         ["_context", "_jax", "_dtypes", "_placement", "_store", "_seed", "_ownership", "_trace"],
     ),
     ("variable", ["variable", "_array_ops", "_initial", "_slice"]),
-    ("scopes and modules", ["scope", "module", "initializers", "random", "_collect"]),
+    ("scopes and modules", ["scope", "_traverse", "module", "initializers", "random", "_collect"]),
     ("functional core", ["functional"]),
     ("compiled functions", ["function", "sharding"]),
     ("training", ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary"]),
