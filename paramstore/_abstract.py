@@ -37,6 +37,7 @@ __all__ = [
     "error",
     "shape_of",
     "run_sharded",
+    "init_program",
     "remember",
     "initializer_of",
     "forget",
@@ -95,14 +96,20 @@ def shape_of(make: Make) -> jax.ShapeDtypeStruct | None:
     return out if isinstance(out, jax.ShapeDtypeStruct) else None
 
 
-def run_sharded(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> list[Any]:
-    """``[make() for make in makes]`` computed by one program compiled with these output
-    shardings (None: wherever JAX puts it); see the module docstring."""
+def init_program(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> Any:
+    """The jitted program computing ``[make() for make in makes]`` with these output
+    shardings (tests lower and compile it to read its memory analysis)."""
 
     def program() -> list[Any]:
         return [make() for make in makes]
 
-    return list(jax.jit(program, out_shardings=list(shardings))())
+    return jax.jit(program, out_shardings=list(shardings))
+
+
+def run_sharded(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> list[Any]:
+    """``[make() for make in makes]`` computed by one program compiled with these output
+    shardings; see the module docstring."""
+    return list(init_program(makes, shardings)())
 
 
 # ----------------------------------------------- initializers of abstract variables

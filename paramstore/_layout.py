@@ -189,10 +189,10 @@ class LayoutMap(Layouts):
             return layout
         entries = () if layout is None else tuple(layout)
         _check_rank(entries, shape, name, what)
-        sharding = NamedSharding(self._mesh, PartitionSpec(*entries))
         missing = [a for e in entries for a in _axes(e) if a not in self._mesh.shape]
         if missing:
             raise _mesh_axes_error(what, missing, self._mesh, "Use an axis of the mesh")
+        sharding = NamedSharding(self._mesh, PartitionSpec(*entries))
         check_fits(sharding, shape, f"variable '{name}'")
         return sharding
 
