@@ -444,6 +444,55 @@ def check_layout_that_does_not_divide_is_a_clear_error():
             raise AssertionError("no error")
 
 
+@check
+def check_abstract_model_with_layouts_initializes_as_one_sharded_program():
+    mesh = auto_mesh((4, 2), ("data", "model"))
+    lm = _tp_layout(mesh)
+    with ps.VariableStore():
+        eager = ps.nn.Sequential([ps.nn.Dense(16), ps.nn.Dense(8)])
+        eager(jnp.ones((1, 8)))
+        want = {v.name: v.numpy() for v in eager.variables}
+    live = len(jax.live_arrays())
+    model = ps.nn.Sequential([ps.nn.Dense(16), ps.nn.Dense(8)])
+    with ps.abstract(), ps.device(lm):
+        for layer, features in zip(model.layers, (8, 16)):
+            with layer.name_scope:  # what layer.build(input_shape) does once it exists
+                layer.build((None, features))
+            layer.built = True
+    assert len(jax.live_arrays()) == live
+    assert all(v.is_abstract for v in model.variables)
+    assert ps.sharding.specs(model) == {
+        "dense/kernel": P("data", "model"),
+        "dense/bias": P("model"),
+        "dense_1/kernel": P("data", "model"),
+        "dense_1/bias": P("model"),
+    }
+    programs = []
+    real = _abstract.init_program
+
+    def spy(makes, shardings):
+        programs.append(list(shardings))
+        return real(makes, shardings)
+
+    _abstract.init_program = spy
+    try:
+        ps.initialize(model)
+    finally:
+        _abstract.init_program = real
+    assert len(programs) == 1 and len(programs[0]) == 4  # one program for the model
+    for v in model.variables:
+        assert not v.is_abstract and v.sharding == NamedSharding(mesh, P(*lm[v.name]))
+        np.testing.assert_array_equal(v.numpy(), want[v.name])
+    # the restore entry point: a host array goes straight onto the variable's sharding
+    with ps.abstract(), ps.device(lm):
+        k = ps.Variable(jax.ShapeDtypeStruct((8, 4), jnp.float32), name="dense_9/kernel")
+    value = np.arange(32, dtype=np.float32).reshape(8, 4)
+    ps.variable.set_initial_value(k, value)
+    assert k.sharding == NamedSharding(mesh, P("data", "model"))
+    assert all(s.data.shape == (2, 2) for s in k.value().addressable_shards)
+    np.testing.assert_array_equal(k.numpy(), value)
+
+
 def _run_checks(out: str) -> None:
     results: dict[str, str] = {}
     for name, fn in CHECKS.items():
