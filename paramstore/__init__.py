@@ -3,7 +3,8 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, nn, random
+from paramstore import checkpoint, initializers, nn, random, sharding
+from paramstore._abstract import abstract
 from paramstore._placement import device
 from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
@@ -29,6 +30,7 @@ from paramstore.scope import (
     name_scope,
     variable_scope,
 )
+from paramstore.sharding import initialize
 from paramstore.variable import Reference, Variable, VariableSlice
 
 __version__ = "0.1.0"
@@ -47,17 +49,20 @@ __all__ = [
     "VariableScope",
     "VariableSlice",
     "VariableStore",
+    "abstract",
     "checkpoint",
     "device",
     "function",
     "get_variable",
     "grad",
+    "initialize",
     "initializers",
     "name_scope",
     "nn",
     "non_trainable",
     "pure",
     "random",
+    "sharding",
     "state",
     "summary",
     "trainable",

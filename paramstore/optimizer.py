@@ -73,10 +73,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from paramstore._optim_grads import Targets
-from paramstore._optim_slots import hyperparam_leaves, slot_names
+from paramstore._optim_slots import hyperparam_leaves, replicated_like, slot_names, state_sharding
+from paramstore._placement import unplaced
 from paramstore._traverse import Key, Relative
 from paramstore.function import function
 from paramstore.module import Module
@@ -162,32 +162,27 @@ class Optimizer(Module):
         self._targets = _Hidden(targets)
         self._jit_compile = bool(jit_compile)
         first = next(v for v, o in zip(targets.variables, targets.optimized) if o)
-        replicated = _replicated_like(first.sharding)
+        replicated = replicated_like(first.sharding)
         with jax.ensure_compile_time_eval():  # concrete even in a ps.function's first trace
             zero = jnp.zeros((), jnp.int32)
             init_state = tx.init(targets.params())
             path_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(init_state)
             paths = [p for p, _ in path_leaves]
             leaves = [_as_state_array(p, leaf) for p, leaf in path_leaves]
-        self._iterations = Variable(
-            zero, trainable=False, name="iterations", sharding=_placement(replicated, zero)
-        )
         names, owners = slot_names(paths, [a.shape for a in leaves], targets.param_keys())
-        self._state_variables = [
-            # a slot is placed like its variable, anything else replicated beside the first
-            Variable(
-                arr,
+        with unplaced():  # each slot exactly where its variable is, whatever ps.device says
+            self._iterations = Variable(
+                zero,
                 trainable=False,
-                name=slot,
-                sharding=_placement(
-                    owner.sharding
-                    if owner is not None and owner.shape == arr.shape
-                    else replicated,
-                    arr,
-                ),
+                name="iterations",
+                sharding=state_sharding(None, zero, replicated),
             )
-            for arr, slot, owner in zip(leaves, names, owners)
-        ]
+            self._state_variables = [
+                Variable(
+                    arr, trainable=False, name=slot, sharding=state_sharding(owner, arr, replicated)
+                )
+                for arr, slot, owner in zip(leaves, names, owners)
+            ]
         # checkpoint keys: a slot under its parameter's path, never its position
         self._state_keys: list[Key] = [
             slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
@@ -369,21 +364,6 @@ def _as_state_array(path: Any, leaf: Any) -> jax.Array:
             f"ps.Optimizer: the optax state has a leaf at {jax.tree_util.keystr(path)} "
             f"that is not an array ({type(leaf).__name__}); it cannot be a Variable."
         ) from None
-
-
-def _replicated_like(sharding: Any) -> Any:
-    """A replicated sharding over the devices of ``sharding`` (None: leave on the default)."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
-    if sharding is not None and len(sharding.device_set) == 1:
-        return sharding
-    return None
-
-
-def _placement(want: Any, arr: Any) -> Any:
-    """``want`` where it differs from where ``arr`` is; None keeps ``arr`` as it is (an
-    uncommitted array on the default device stays uncommitted, like the variables there)."""
-    return want if want is not None and want != arr.sharding else None
 
 
 def _all_arrays(tree: Any) -> bool:

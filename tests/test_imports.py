@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "helpers",
         ["_context", "_jax", "_dtypes", "_placement", "_store", "_seed", "_ownership", "_trace"],
     ),
-    ("variable", ["variable", "_array_ops", "_initial", "_slice"]),
+    ("variable", ["variable", "_array_ops", "_initial", "_slice", "_creation"]),
     ("scopes and modules", ["scope", "_traverse", "module", "initializers", "random", "_collect"]),
     ("functional core", ["functional"]),
     ("compiled functions", ["function", "sharding"]),
