@@ -189,6 +189,13 @@ def restore_into(
     entries = r.entries
     present = {n: v for n, v in mapping.items() if n in entries}
     missing = [n for n in mapping if n not in entries]
+    skipped: Mapping[str, str] = getattr(r, "skipped", {})
+    unreadable = [n for n in missing if n in skipped]
+    if unreadable:
+        raise CheckpointError(
+            f"Checkpoint '{r.path}': '{unreadable[0]}' holds {skipped[unreadable[0]]}, which "
+            "paramstore cannot restore into a variable; leave it out of the names to restore."
+        )
     if missing and not allow_missing:
         raise lacks_variables(r.path, missing, entries, hint)
     if missing and not present:
