@@ -138,24 +138,6 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _shape(msg: bytes) -> tuple[int, ...]:
-    dims: list[int] = []
-    for field, _, value in _fields(msg, 0, len(msg)):
-        if field == 2 and isinstance(value, bytes):
-            size = 0
-            for f2, w2, v2 in _fields(value, 0, len(value)):
-                if f2 == 1 and w2 == 0 and isinstance(v2, int):
-                    size = _signed(v2)
-            if size < 0:
-                raise _Bad(f"a dimension is {size}")
-            dims.append(size)
-            if len(dims) > MAX_DIMS:
-                raise _Bad(f"the shape has more than {MAX_DIMS} dimensions")
-        elif field == 3 and value:
-            raise _Bad("the shape has an unknown rank")
-    return tuple(dims)
-
-
 def _slices(msgs: list[bytes], shape: tuple[int, ...]) -> None:
     """Each TensorSliceProto's extents must lie inside ``shape``."""
     for msg in msgs:
@@ -173,6 +155,107 @@ def _slices(msgs: list[bytes], shape: tuple[int, ...]) -> None:
                     length = _signed(v)
             if start < 0 or (length is not None and (length < 0 or start + length > dim)):
                 raise _Bad(f"a slice [{start}, +{length}) does not fit a dimension of {dim}")
+
+
+def _bundle_entry(buf: bytes) -> tuple[int, tuple[int, ...], int, int, int, list[bytes]]:
+    """``(dtype, shape, shard_id, offset, size, slices)`` of a ``BundleEntryProto``.
+
+    The fields TensorFlow writes are decoded in one loop with one-byte varints inline (about
+    3x faster than the generic ``_fields``: a 100,000-entry index lists in ~1 s); anything
+    else goes through ``_fields``, with the same bounds checks."""
+    end = len(buf)
+    pos = 0
+    dtype = shard = offset = size = 0
+    shape: tuple[int, ...] = ()
+    slices: list[bytes] = []
+    while pos < end:
+        key = buf[pos]
+        if key in _VARINT_FIELDS and pos + 1 < end and buf[pos + 1] < 0x80:
+            v = buf[pos + 1]  # the common case: a one-byte value
+            pos += 2
+        elif key in _VARINT_FIELDS:
+            v, pos = _varint(buf, pos + 1, end)
+        elif key == 0x12 or key == 0x3A:  # shape (2) or a slice (7): length-delimited
+            n, pos = _varint(buf, pos + 1, end)
+            if pos + n > end:
+                raise _Bad("a field runs past its message")
+            if key == 0x12:
+                shape = _shape(buf[pos : pos + n])
+            else:
+                slices.append(buf[pos : pos + n])
+            pos += n
+            continue
+        elif key == 0x35:  # crc32c (6), fixed32: checked by TensorFlow on read
+            if pos + 5 > end:
+                raise _Bad("a field runs past its message")
+            pos += 5
+            continue
+        else:  # a field TensorFlow does not write today: skip it with the generic reader
+            nxt = _skip(buf, pos, end)
+            pos = nxt
+            continue
+        if key == 0x08:
+            dtype = v
+        elif key == 0x18:
+            shard = _signed(v)
+        elif key == 0x20:
+            offset = _signed(v)
+        else:
+            size = _signed(v)
+    return dtype, shape, shard, offset, size, slices
+
+
+_VARINT_FIELDS = frozenset((0x08, 0x18, 0x20, 0x28))  # dtype, shard_id, offset, size
+
+
+def _skip(buf: bytes, pos: int, end: int) -> int:
+    """The position after the one field at ``pos``."""
+    key, after = _varint(buf, pos, end)
+    wire = key & 7
+    if wire == 0:
+        return _varint(buf, after, end)[1]
+    if wire == 2:
+        n, after = _varint(buf, after, end)
+        size = n
+    elif wire in (1, 5):
+        size = 8 if wire == 1 else 4
+    else:
+        raise _Bad(f"wire type {wire} is not one TensorFlow writes")
+    if after + size > end:
+        raise _Bad("a field runs past its message")
+    return after + size
+
+
+def _shape(msg: bytes) -> tuple[int, ...]:
+    """The dimensions of a ``TensorShapeProto`` (each ``Dim`` usually ``12 02 08 <d>``)."""
+    dims: list[int] = []
+    pos, end = 0, len(msg)
+    while pos < end:
+        key = msg[pos]
+        if key == 0x12:
+            n, pos = _varint(msg, pos + 1, end)
+            if pos + n > end:
+                raise _Bad("a field runs past its message")
+            if n == 2 and msg[pos] == 0x08 and msg[pos + 1] < 0x80:
+                size = msg[pos + 1]
+            else:
+                size = 0
+                for f2, w2, v2 in _fields(msg, pos, pos + n):
+                    if f2 == 1 and w2 == 0 and isinstance(v2, int):
+                        size = _signed(v2)
+            pos += n
+            if size < 0:
+                raise _Bad(f"a dimension is {size}")
+            dims.append(size)
+            if len(dims) > MAX_DIMS:
+                raise _Bad(f"the shape has more than {MAX_DIMS} dimensions")
+        elif key == 0x18:
+            flag, pos = _varint(msg, pos + 1, end)
+            if flag:
+                raise _Bad("the shape has an unknown rank")
+        else:
+            pos = _skip(msg, pos, end)
+    return tuple(dims)
 
 
 # ----------------------------------------------------------------------------- table
@@ -199,9 +282,13 @@ def _block(raw: bytes, offset: int, n: int) -> Iterator[tuple[bytes, bytes]]:
         raise _Bad(f"a block claims {restarts} restart points")
     pos, key = offset, b""
     while pos < limit:
-        shared, pos = _varint(raw, pos, limit)
-        fresh, pos = _varint(raw, pos, limit)
-        length, pos = _varint(raw, pos, limit)
+        if pos + 3 <= limit and raw[pos] | raw[pos + 1] | raw[pos + 2] < 0x80:
+            shared, fresh, length = raw[pos], raw[pos + 1], raw[pos + 2]  # one byte each
+            pos += 3
+        else:
+            shared, pos = _varint(raw, pos, limit)
+            fresh, pos = _varint(raw, pos, limit)
+            length, pos = _varint(raw, pos, limit)
         if shared > len(key) or pos + fresh + length > limit:
             raise _Bad("a block entry runs past its block")
         key = key[:shared] + raw[pos : pos + fresh]
@@ -295,22 +382,7 @@ class TFIndex:
             raise _Bad(f"header claims {self.shards} data files")
 
     def _entry(self, name: str, value: bytes, sizes: dict[int, int]) -> None:
-        dtype_code = shard = offset = size = 0
-        shape: tuple[int, ...] = ()
-        slices: list[bytes] = []
-        for field, _, v in _fields(value, 0, len(value)):
-            if field == 1 and isinstance(v, int):
-                dtype_code = v
-            elif field == 2 and isinstance(v, bytes):
-                shape = _shape(v)
-            elif field == 3 and isinstance(v, int):
-                shard = _signed(v)
-            elif field == 4 and isinstance(v, int):
-                offset = _signed(v)
-            elif field == 5 and isinstance(v, int):
-                size = _signed(v)
-            elif field == 7 and isinstance(v, bytes):
-                slices.append(v)
+        dtype_code, shape, shard, offset, size, slices = _bundle_entry(value)
         if name == _OBJECT_GRAPH:
             return
         if dtype_code in _UNREADABLE or dtype_code not in DTYPES:

@@ -98,38 +98,54 @@ class KerasWeights:
         )
 
     def _walk(self) -> None:
+        """Visit every link from the root with h5py's low-level API (the high-level
+        ``visititems`` + ``file[name]`` costs more per dataset); each group once."""
+        seen: set[int] = set()
+        stack: list[tuple[Any, str]] = [(self._file.id, "")]
+        count = 0
+        while stack:
+            gid, prefix = stack.pop()
+            for raw in gid:
+                count += 1
+                if count > MAX_OBJECTS:
+                    raise CheckpointError(
+                        f"HDF5 file '{self.path}' has more than {MAX_OBJECTS:,} objects."
+                    )
+                name = prefix + raw.decode("utf-8", "surrogateescape")
+                self._check_link(gid, raw, name)
+                oid = self._h5py.h5o.open(gid, raw)
+                if isinstance(oid, self._h5py.h5g.GroupID):
+                    addr = self._h5py.h5o.get_info(oid).addr
+                    if addr not in seen:  # a group linked twice (or a cycle): once
+                        seen.add(addr)
+                        stack.append((oid, name + "/"))
+                elif isinstance(oid, self._h5py.h5d.DatasetID):
+                    self.entries[name] = self._check(name, oid)
+                    self._datasets[name] = oid
+
+    def _check_link(self, gid: Any, raw: bytes, name: str) -> None:
+        h5l = self._h5py.h5l
+        kind = gid.links.get_info(raw).type
+        if kind == h5l.TYPE_SOFT:
+            target = gid.links.get_val(raw).decode("utf-8", "replace")
+            raise self._refuse(name, f"is a soft link (to '{target}')")
+        if kind == h5l.TYPE_EXTERNAL:
+            target = gid.links.get_val(raw)[0].decode("utf-8", "replace")
+            raise self._refuse(name, f"is an external link (to '{target}')")
+        if kind != h5l.TYPE_HARD:
+            raise self._refuse(name, "is a user-defined link")
+
+    def _check(self, name: str, oid: Any) -> Entry:
         h5py = self._h5py
-        links: list[tuple[str, Any]] = []
-
-        def visit_link(name: str, link: Any) -> None:
-            if len(links) >= MAX_OBJECTS:
-                raise CheckpointError(
-                    f"HDF5 file '{self.path}' has more than {MAX_OBJECTS:,} objects."
-                )
-            links.append((name, link))
-
-        self._file.visititems_links(visit_link)
-        for name, link in links:
-            if isinstance(link, h5py.SoftLink):
-                raise self._refuse(name, f"is a soft link (to '{link.path}')")
-            if isinstance(link, h5py.ExternalLink):
-                raise self._refuse(name, f"is an external link (to '{link.filename}')")
-            if not isinstance(link, h5py.HardLink):
-                raise self._refuse(name, "is a user-defined link")
-        for name, _ in links:
-            obj = self._file.get(name)
-            if isinstance(obj, h5py.Dataset) and name not in self._datasets:
-                self._datasets[name] = obj
-                self.entries[name] = self._check(name, obj)
-
-    def _check(self, name: str, ds: Any) -> Entry:
-        h5py = self._h5py
-        if ds.is_virtual:
+        dcpl = oid.get_create_plist()
+        if dcpl.get_layout() == h5py.h5d.VIRTUAL:
             raise self._refuse(name, "is a virtual dataset (its data lives in other files)")
-        if ds.external:
+        if dcpl.get_external_count():
             raise self._refuse(name, "has external storage (its data lives in another file)")
-        dt = ds.dtype
-        if h5py.check_vlen_dtype(dt) is not None or h5py.check_string_dtype(dt) and dt.kind == "O":
+        dt = oid.dtype
+        if h5py.check_vlen_dtype(dt) is not None or (
+            h5py.check_string_dtype(dt) is not None and dt.kind == "O"
+        ):
             raise self._refuse(name, "holds variable-length data")
         if h5py.check_ref_dtype(dt) is not None:
             raise self._refuse(name, "holds object references")
@@ -137,12 +153,12 @@ class KerasWeights:
             raise self._refuse(name, f"has the array dtype {dt}")
         if dt.names is not None or dt.kind not in "biufcS" or h5py.check_enum_dtype(dt):
             raise self._refuse(name, f"has the dtype {dt}")
-        if ds.shape is None:
+        if oid.shape is None:
             raise self._refuse(name, "has no dataspace")
-        shape = tuple(int(d) for d in ds.shape)
+        shape = tuple(int(d) for d in oid.shape)
         nbytes = math.prod(shape) * dt.itemsize
-        stored = int(ds.id.get_storage_size())
-        filtered = ds.id.get_create_plist().get_nfilters() > 0
+        stored = int(oid.get_storage_size())
+        filtered = dcpl.get_nfilters() > 0
         limit = MAX_INFLATE * stored + INFLATE_SLACK if filtered else stored
         if nbytes and (nbytes > limit or nbytes > MAX_INFLATE * self._size):
             raise self._refuse(
@@ -163,7 +179,7 @@ class KerasWeights:
             if name not in self._datasets:
                 raise no_such_variable(self.path, name, self.entries)
             try:
-                arr = np.asarray(self._datasets[name][()])
+                arr = np.asarray(self._h5py.Dataset(self._datasets[name])[()])
             except Exception as e:  # a Fletcher-32 mismatch, a bad chunk
                 raise CheckpointError(
                     f"HDF5 file '{self.path}' is corrupt: dataset '{name}' cannot be read "
