@@ -99,11 +99,21 @@ class _Pending:
     def attached(self, module: Module, name: str, value: Any) -> None:
         """``module.<name> = value`` happened: restore what ``value`` holds."""
         variables, modules = object_paths(value, name)
-        for key in [k for k in self.values if k == name or k.startswith(name + "/")]:
-            target = variables.get(key)
-            if target is not None:
-                full, saved = self.values.pop(key)
-                self.status.apply(target, saved, full)
+        keys = [k for k in self.values if k == name or k.startswith(name + "/")]
+        direct = [(k, variables[k]) for k in keys if k in variables]
+        for key, target in direct:  # check them all before giving any its value
+            full, saved = self.values[key]
+            if tuple(target.shape) != saved.shape or target.dtype != saved.dtype:
+                raise CheckpointError(
+                    mismatch(self.status.path, full, saved.shape, saved.dtype, target)
+                    + " The saved value stays pending until the variable is created with "
+                    "its shape and dtype."
+                )
+        for key, target in direct:
+            full, saved = self.values.pop(key)
+            self.status.apply(target, saved, full)
+        for key in keys:
+            if key in variables:
                 continue
             found = _deepest_module(key, modules)
             if found is not None:
@@ -197,6 +207,8 @@ class Checkpoint:
                     f"ps.Checkpoint: {key}= is a {type(obj).__name__}; expected a Module, an "
                     "Optimizer, a Variable, a ps.random.Generator or a Checkpoint."
                 )
+        if sharded is not None and not isinstance(sharded, bool):
+            raise TypeError(f"ps.Checkpoint: sharded must be None, True or False, got {sharded!r}.")
         self.objects: dict[str, Any] = objects
         self.sharded = sharded
 
@@ -220,7 +232,14 @@ class Checkpoint:
         """Restore the objects' variables from ``path`` (any checkpoint ``ps.Saver``
         reads) and keep the values of variables not created yet (see the module
         docstring). On a corrupt file, or a shape or dtype that differs, raises
-        CheckpointError and changes nothing."""
+        CheckpointError and changes nothing. The variables change together, under the lock
+        a step takes: a step runs before all of them or after all of them."""
+        return self._restore(path, existing_matched=False)
+
+    def _restore(self, path: PathLike, existing_matched: bool) -> CheckpointStatus:
+        """``restore``; with ``existing_matched``, a variable of the objects that the file
+        lacks is an error raised before anything is assigned (what
+        ``assert_existing_objects_matched`` checks after, for ``restore_latest``)."""
         outside_traces("restore")
         variables, modules = object_paths(self)
         with opened(path) as reader:
@@ -233,6 +252,9 @@ class Checkpoint:
                     found = _deepest_module(name, modules)
                     if found is not None:
                         later[name] = found
+            if existing_matched and len(present) < len(variables):
+                status._restored = {id(v) for v in present.values()}
+                status.assert_existing_objects_matched()
             placements = placements_for(reader.path, entries, present, {})
             placements.update(dict.fromkeys(later))
             values = reader.load(placements)
