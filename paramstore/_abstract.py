@@ -1,6 +1,6 @@
 """Abstract variables and sharded initialization: shapes first, arrays only where they live.
 
-What variable creation consults (so it sits below ``variable``). Contract (API.md, "Models
+What variable creation consults (so it sits below ``variable``). Contract (docs/api.md, "Models
 larger than one device"):
 
 * ``with abstract():`` variables created inside get their shape, dtype and sharding only:

@@ -1,6 +1,6 @@
 """How a new variable gets its first value and placement (what ``Variable.__init__`` calls).
 
-Contract (API.md, "Models larger than one device"; ``paramstore._layout`` decides the
+Contract (docs/api.md, "Models larger than one device"; ``paramstore._layout`` decides the
 sharding, ``paramstore._abstract`` runs or defers the initializer):
 
 * ``shaped(init, shape, dtype)``: ``Variable(init, shape=..., dtype=...)`` calls
