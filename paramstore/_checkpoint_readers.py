@@ -16,17 +16,30 @@ from collections.abc import Iterator
 
 from paramstore import _orbax, _orbax_read, _tf
 from paramstore._checkpoint_file import SafetensorsFile
-from paramstore._format import PathLike, Reader
+from paramstore._checkpoint_io import check_regular
+from paramstore._format import CheckpointError, PathLike, Reader
+from paramstore._tf_keras import KerasWeights, is_hdf5
 
 CKPT_RE = re.compile(r"^ckpt-(?P<step>\d+)(?P<file>\.safetensors)?$")
 
 
+_ORBAX_MARKS = (_orbax.ARRAYS, "_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
+
+
 def _resolve(path: PathLike) -> str:
-    """A checkpoint: ``path`` itself, or the latest checkpoint of a manager directory."""
+    """A checkpoint: ``path`` itself, or the latest checkpoint of a manager directory.
+    Anything but a regular file or a directory is refused here, before any reader opens
+    it (CheckpointError)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         if _orbax.is_checkpoint(path) or _tf.is_checkpoint_dir(path):
             return path
+        if any(os.path.exists(os.path.join(path, m)) for m in _ORBAX_MARKS):
+            raise CheckpointError(
+                f"Sharded checkpoint '{path}' lacks its metadata "
+                f"({_orbax.META}/metadata): it is incomplete or damaged. Restore another "
+                "checkpoint."
+            )
         found = scan(path)
         if not found:
             raise FileNotFoundError(
@@ -35,7 +48,9 @@ def _resolve(path: PathLike) -> str:
                 "CheckpointManager)."
             )
         return found[-1][1]
-    if not os.path.exists(path) and not _tf.is_prefix(path):
+    if os.path.exists(path):
+        check_regular(path)
+    elif not _tf.is_prefix(path):
         raise FileNotFoundError(f"No checkpoint file or directory '{path}'.")
     return path
 
@@ -49,8 +64,8 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
         return _orbax_read.ShardedCheckpoint(resolved)
     if _tf.is_prefix(resolved) or os.path.isdir(resolved):
         return _tf.TensorFlowCheckpoint(resolved)
-    if _tf.is_hdf5(resolved):
-        return _tf.KerasWeights(resolved)
+    if is_hdf5(resolved):
+        return KerasWeights(resolved)
     return SafetensorsFile(resolved, allow_unverified)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,6 +73,12 @@ class Saver:
             raise TypeError(f"Saver: sharded must be None, True or False, got {sharded!r}.")
         self.sharded = sharded
         if isinstance(var_list, Mapping):
+            bad = [k for k in var_list if not isinstance(k, str)]
+            if bad:
+                raise TypeError(
+                    f"Saver: a checkpoint name must be a str, got {type(bad[0]).__name__} "
+                    f"{bad[0]!r}; write {{'{bad[0]}': variable}} if that is the name you mean."
+                )
             var_list = dict(var_list)  # a snapshot of the names, as a list would be
         self._source: Any = default_store() if var_list is None else var_list
         self._mapping()  # validate now
@@ -103,9 +110,10 @@ class Saver:
         path = os.fspath(path)
         if step is not None:
             path = f"{path}-{check_step(step)}"
-        if self._writes_sharded():
-            return _orbax.save(path, self._device_values())
-        return write_arrays(path, self._snapshot(copy=False))
+        with path_lock(path):
+            if self._writes_sharded():
+                return _orbax.save(path, self._device_values())
+            return write_arrays(path, self._snapshot(copy=False))
 
     def _writes_sharded(self) -> bool:
         """Whether ``save`` writes the sharded (Orbax) format now."""
@@ -189,6 +197,13 @@ def restore_into(
     entries = r.entries
     present = {n: v for n, v in mapping.items() if n in entries}
     missing = [n for n in mapping if n not in entries]
+    skipped: Mapping[str, str] = getattr(r, "skipped", {})
+    unreadable = [n for n in missing if n in skipped]
+    if unreadable:
+        raise CheckpointError(
+            f"Checkpoint '{r.path}': '{unreadable[0]}' holds {skipped[unreadable[0]]}, which "
+            "paramstore cannot restore into a variable; leave it out of the names to restore."
+        )
     if missing and not allow_missing:
         raise lacks_variables(r.path, missing, entries, hint)
     if missing and not present:
@@ -206,7 +221,18 @@ def assign_all(
     present: Mapping[str, Variable], values: Mapping[str, Any], moves: Mapping[int, Any]
 ) -> None:
     """Assign every loaded value (cannot fail: exact shapes, dtypes, placement); a variable
-    restored onto a new sharding (``moves``) takes the value's placement."""
+    restored onto a new sharding (``moves``) takes the value's placement.
+
+    All the writes happen under ``STATE_LOCK``, the lock a ``ps.function`` step and every
+    eager write hold: a step (or an atomic read of several variables) sees either none of
+    the restored values or all of them, and a step's outputs cannot land between two."""
+    with STATE_LOCK:
+        _assign_all(present, values, moves)
+
+
+def _assign_all(
+    present: Mapping[str, Variable], values: Mapping[str, Any], moves: Mapping[int, Any]
+) -> None:
     for name, value in values.items():
         v = present[name]
         if id(v) in moves:
@@ -282,9 +308,36 @@ def check_assignable(name: str, v: Variable) -> None:
 
 
 def mismatch(path: str, name: str, shape: tuple[int, ...], dtype: np.dtype, v: Variable) -> str:
-    return (
+    head = (
         f"Checkpoint '{path}' holds '{name}' with shape {shape} and dtype "
         f"{dtype_name(dtype)}, but variable '{v.name}' has shape {tuple(v.shape)} and "
-        f"dtype {dtype_name(v.dtype)}. Restore into a model built with the same "
-        "configuration, or leave this variable out of the Saver."
+        f"dtype {dtype_name(v.dtype)}."
     )
+    if (
+        shape == tuple(v.shape)
+        and np.dtype(dtype).kind in "iu"
+        and np.dtype(v.dtype).kind in "iu"
+        and np.dtype(dtype).itemsize > np.dtype(v.dtype).itemsize
+    ):
+        return (
+            f"{head} TensorFlow keeps counters such as global_step as {dtype_name(dtype)}, "
+            f"which JAX holds only with jax_enable_x64. Leave '{name}' out of the Saver and "
+            f"assign it yourself: {v.name}.assign(int(ps.checkpoint.load_variable(path, "
+            f"'{name}'))), or create the variable with dtype={dtype_name(dtype)} after "
+            "jax.config.update('jax_enable_x64', True)."
+        )
+    return (
+        f"{head} Restore into a model built with the same configuration, or leave this "
+        "variable out of the Saver."
+    )
+
+
+_PATH_LOCKS = [threading.Lock() for _ in range(64)]  # striped: bounded, whatever the paths
+
+
+def path_lock(path: str) -> threading.Lock:
+    """The lock of one checkpoint path in this process (one of 64, by the path's hash):
+    saves to one path from several threads run one at a time (each writes a temporary and
+    renames it over the last; Orbax needs its directory to itself), so the previous
+    checkpoint is never lost. Two paths may share a lock; no code holds two."""
+    return _PATH_LOCKS[hash(os.path.realpath(path)) % len(_PATH_LOCKS)]

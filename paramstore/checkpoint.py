@@ -87,7 +87,7 @@ def load_variable(path: PathLike, name: str, *, allow_unverified: bool = False) 
     checked against its checksum; strings come back as a NumPy string array. Raises
     CheckpointError if absent or corrupt."""
     with opened(path, allow_unverified) as r:
-        if name not in r.entries:
+        if name not in r.entries and name not in getattr(r, "skipped", {}):
             raise no_such_variable(r.path, name, r.entries)
         return r.load({name: None})[name]
 

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 
 from paramstore import initializers as _init
+from paramstore._layout import Partition
 from paramstore.nn._base import Activation, Layer, as_float, initializer, resolve_activation
 from paramstore.variable import Variable
 
@@ -25,7 +26,8 @@ def _pair(value: Any, what: str) -> tuple[int, int]:
 class Conv2D(Layer):
     """``activation(conv(x, kernel) + bias)`` for ``x`` of shape ``(batch, height, width,
     channels)``; ``kernel`` ``(kh, kw, channels, filters)``, ``bias`` ``(filters,)``
-    (glorot_uniform and zeros). ``padding`` is ``"valid"`` or ``"same"``."""
+    (glorot_uniform and zeros). ``padding`` is ``"valid"`` or ``"same"``.
+    ``kernel_partition``/``bias_partition``: the variables' ``partition=``."""
 
     def __init__(
         self,
@@ -38,8 +40,12 @@ class Conv2D(Layer):
         kernel_initializer: Any = None,
         bias_initializer: Any = None,
         name: str | None = None,
+        *,
+        kernel_partition: Partition | None = None,
+        bias_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name or "conv2d")  # Keras' name (not "conv2_d")
+        self._partitions = (kernel_partition, bias_partition)
         if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
             raise ValueError(f"Conv2D: filters must be a positive int, got {filters!r}.")
         if not isinstance(padding, str) or padding.lower() not in ("valid", "same"):
@@ -60,10 +66,11 @@ class Conv2D(Layer):
     def build(self, shape: tuple[int, ...]) -> None:
         k_init, b_init = self._kernel_init, self._bias_init
         kshape = (*self.kernel_size, shape[-1], self.filters)
-        self.kernel = Variable(lambda: k_init(kshape), name="kernel")
+        k_part, b_part = self._partitions
+        self.kernel = Variable(lambda: k_init(kshape), name="kernel", partition=k_part)
         if self.use_bias:
             filters = self.filters
-            self.bias = Variable(lambda: b_init((filters,)), name="bias")
+            self.bias = Variable(lambda: b_init((filters,)), name="bias", partition=b_part)
 
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x)

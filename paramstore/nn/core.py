@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore import random as _random
+from paramstore._layout import Partition
 from paramstore.nn._base import Activation, Layer, as_float, initializer, resolve_activation
 from paramstore.variable import Variable
 
@@ -23,7 +24,9 @@ class Dense(Layer):
 
     ``kernel`` has shape ``(in, units)`` (``in`` is the last axis of the first input),
     ``bias`` ``(units,)``; defaults glorot_uniform and zeros. ``activation`` is a callable
-    or a Keras name (``"relu"``). Integer inputs are cast to float32.
+    or a Keras name (``"relu"``). Integer inputs are cast to float32. ``kernel_partition``
+    and ``bias_partition`` are the variables' ``partition=`` (logical axis names, e.g.
+    ``("embed", "mlp")``; see ``ps.sharding.axis_rules``).
     """
 
     def __init__(
@@ -34,8 +37,12 @@ class Dense(Layer):
         kernel_initializer: Any = None,
         bias_initializer: Any = None,
         name: str | None = None,
+        *,
+        kernel_partition: Partition | None = None,
+        bias_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partitions = (kernel_partition, bias_partition)
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"Dense: units must be a positive int, got {units!r}.")
         self.units = units
@@ -50,9 +57,10 @@ class Dense(Layer):
 
     def build(self, shape: tuple[int, ...]) -> None:
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
-        self.kernel = Variable(lambda: k_init((shape[-1], units)), name="kernel")
+        k_part, b_part = self._partitions
+        self.kernel = Variable(lambda: k_init((shape[-1], units)), name="kernel", partition=k_part)
         if self.use_bias:
-            self.bias = Variable(lambda: b_init((units,)), name="bias")
+            self.bias = Variable(lambda: b_init((units,)), name="bias", partition=b_part)
 
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x)
@@ -67,7 +75,8 @@ class Dense(Layer):
 class Embedding(Layer):
     """A lookup table ``embeddings`` ``(input_dim, output_dim)``, as ``keras.layers.Embedding``
     (initialized uniformly in [-0.05, 0.05]). Inputs must be integer indices; the output has
-    shape ``x.shape + (output_dim,)``."""
+    shape ``x.shape + (output_dim,)``. ``embeddings_partition`` is the table's
+    ``partition=`` (e.g. ``("vocab", "embed")``)."""
 
     def __init__(
         self,
@@ -75,8 +84,11 @@ class Embedding(Layer):
         output_dim: int,
         embeddings_initializer: Any = None,
         name: str | None = None,
+        *,
+        embeddings_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partition = embeddings_partition
         for what, n in (("input_dim", input_dim), ("output_dim", output_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"Embedding: {what} must be a positive int, got {n!r}.")
@@ -100,7 +112,9 @@ class Embedding(Layer):
         if not self.built:
             init, shape = self._init, (self.input_dim, self.output_dim)
             with self.name_scope:
-                self.embeddings = Variable(lambda: init(shape), name="embeddings")
+                self.embeddings = Variable(
+                    lambda: init(shape), name="embeddings", partition=self._partition
+                )
             self.built = True
         assert self.embeddings is not None
         return jnp.take(self.embeddings.value(), ids, axis=0)
