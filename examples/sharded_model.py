@@ -10,15 +10,12 @@ fused with ``lax.scan``, async sharded checkpoints, one process or several.
 The mesh is ``("data", "model")`` (4 x 2 on 8 devices). Each weight is split over both
 axes: FSDP over ``"data"`` (the rows of the first layer, the columns of the second) and
 tensor parallel over ``"model"`` (the hidden units), so each device holds 1/8 of it. The
-variables are created with their sharding: their initial value comes from a program
-compiled with that output sharding (``jax.jit(init, out_shardings=...)``), so no device
-ever holds a whole weight. A checkpoint directory with checkpoints in it is restored
-instead (onto this run's mesh, whatever mesh or process count wrote it).
-
-Where paramstore has them (``ps.abstract``, ``ps.sharding.LayoutMap``, ``ps.initialize``:
-see docs/sharding.md, "Models larger than one device"), the model is built abstract under
-a ``LayoutMap`` instead: shapes and shardings only, then restored or initialized as one
-sharded program. ``USE_LAYOUTS`` below says which path ran.
+layouts are given by name (``ps.sharding.LayoutMap``); the model is first built abstract
+(``ps.abstract()``: shapes, dtypes and shardings, nothing allocated), then either restored
+from the checkpoint directory (each value read straight into its sharding, whatever mesh
+or process count wrote it) or initialized by ``ps.initialize`` as one program compiled
+with the variables' output shardings: no device ever holds a whole weight (docs/sharding.md,
+"Models larger than one device").
 """
 
 from __future__ import annotations
@@ -79,7 +76,6 @@ def main() -> None:
 
     import paramstore as ps
 
-    use_layouts = hasattr(ps, "abstract") and hasattr(ps.sharding, "LayoutMap")
     mesh = jax.make_mesh(
         (jax.device_count() // 2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2
     )
@@ -100,25 +96,16 @@ def main() -> None:
     manager_dir = args.ckpt
     resume = bool(manager_dir) and os.path.isdir(manager_dir) and bool(os.listdir(manager_dir))
 
-    if use_layouts:  # abstract -> restore or initialize, by name
-        layout_map = ps.sharding.LayoutMap(mesh)
-        for name, layout in layouts.items():
-            layout_map[f"^{name}$"] = layout
-        with ps.abstract(), ps.device(layout_map), ps.name_scope("mlp"):
-            params = [ps.Variable(inits[n], shape=shapes[n], name=n.split("/")[1]) for n in shapes]
-        if resume:
-            ps.Saver(params).restore(manager_dir)  # straight into the shardings
-        else:
-            ps.initialize(params)  # one sharded program
-    else:  # each weight computed by a program with its output sharding: never whole
-        params = []
-        with ps.name_scope("mlp"):
-            for n, shape in shapes.items():
-                sharding = NamedSharding(mesh, P(*layouts[n]))
-                value = jax.jit(
-                    lambda init=inits[n], shape=shape: init(shape), out_shardings=sharding
-                )()
-                params.append(ps.Variable(value, name=n.split("/")[1], sharding=sharding))
+    layout_map = ps.sharding.LayoutMap(mesh)  # layouts by name
+    for name, layout in layouts.items():
+        layout_map[f"^{name}$"] = layout
+    with ps.abstract(), ps.device(layout_map), ps.name_scope("mlp"):
+        # shapes, dtypes and shardings only: nothing allocated, no initializer run
+        params = [ps.Variable(inits[n], shape=shapes[n], name=n.split("/")[1]) for n in shapes]
+    if resume:
+        ps.Saver(params).restore(manager_dir)  # each value read straight into its sharding
+    else:
+        ps.initialize(params)  # the initializers as one program with these output shardings
     w_in, b_in, w_out, b_out = params
     opt = ps.Optimizer(optax.adam(1e-3), params)  # slots sharded like their parameters
     manager = None
@@ -151,7 +138,7 @@ def main() -> None:
     if main_process:
         print(
             f"{jax.device_count()} devices in {jax.process_count()} process(es), mesh "
-            f"{dict(mesh.shape)}; USE_LAYOUTS={use_layouts}; "
+            f"{dict(mesh.shape)}; "
             + (f"resumed at step {int(opt.iterations.numpy())}" if resume else "initialized")
         )
         print(

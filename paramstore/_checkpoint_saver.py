@@ -33,7 +33,7 @@ from paramstore._format import (
 )
 from paramstore._safetensors import check_name
 from paramstore.scope import default_store
-from paramstore.variable import Variable
+from paramstore.variable import Variable, set_initial_value
 
 
 def check_step(step: Any) -> int:
@@ -235,7 +235,9 @@ def _assign_all(
 ) -> None:
     for name, value in values.items():
         v = present[name]
-        if id(v) in moves:
+        if v.is_abstract:  # ps.abstract(): the value (already on its sharding) makes it concrete
+            set_initial_value(v, value, owned=True)
+        elif id(v) in moves:
             v._write(value, owned=True)
         elif (
             not _trace.depth
@@ -300,7 +302,7 @@ def placements_for(
 
 
 def check_assignable(name: str, v: Variable) -> None:
-    if type(v) is not Variable:
+    if type(v) is not Variable and not v.is_abstract:  # an abstract one: set_initial_value
         raise TypeError(
             f"Saver: '{name}' is a detached copy of variable '{v.name}' (it went through a "
             "JAX transformation as a pytree) and cannot be assigned; restore the original."

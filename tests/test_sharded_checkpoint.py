@@ -309,6 +309,17 @@ def test_a_directory_without_metadata_is_no_checkpoint(tmp_path, variables):
     assert again.checkpoints == [str(directory / "ckpt-1")]
 
 
+def test_restore_into_an_abstract_model_makes_it_concrete(tmp_path):
+    value = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path = Saver({"w": ps.Variable(value)}, sharded=True).save(tmp_path / "ckpt")
+    with ps.abstract():
+        w = ps.Variable(ps.initializers.zeros(), shape=(3, 4), name="w")
+    assert w.is_abstract
+    Saver([w]).restore(path)
+    assert not w.is_abstract
+    np.testing.assert_array_equal(w.numpy(), value)
+
+
 # ------------------------------------------------------------------- async and threads
 
 
