@@ -693,7 +693,7 @@ def checkpoint_rows(args: argparse.Namespace) -> None:
             async_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             n = 0
-            while n < 5 or async_manager._orbax_pending and not _finished(async_manager):
+            while n < 5 or not _finished(async_manager):
                 step(x).block_until_ready()
                 n += 1
                 if n >= 200:
@@ -722,9 +722,11 @@ def checkpoint_rows(args: argparse.Namespace) -> None:
 
 
 def _finished(manager: Any) -> bool:
-    """Whether a manager's background sharded save has finished (benchmark only)."""
-    thread = getattr(manager._orbax_async, "_thread", None)
-    return thread is None or not thread.is_alive()
+    """Whether a manager's background sharded save has finished (benchmark only: reads the
+    manager's save in flight, an ``_orbax.AsyncWriter``)."""
+    pending = getattr(manager, "_pending", None)
+    writer = getattr(pending, "_inner", pending)  # the manager wraps it to prune after
+    return writer is None or writer.done()
 
 
 if __name__ == "__main__":
