@@ -81,6 +81,7 @@ class ShardedCheckpoint:
             raise
         except Exception as e:  # Orbax / TensorStore: missing or corrupt array data
             checker.join()
+            self._combine(sorted(keys), {}, {}, True)  # the other processes raise too
             raise CheckpointError(
                 f"Checkpoint '{self.path}' is corrupt or incomplete: its array data could not "
                 f"be read ({type(e).__name__}: {e}). Restore another checkpoint."
@@ -116,7 +117,7 @@ class ShardedCheckpoint:
         checker.join()
         if bad_files:
             problems.append(f"{len(bad_files)} file(s) fail their digest: {bad_files[0]}")
-        totals = self._combine(partial, is_global, bool(problems))
+        totals = self._combine(sorted(keys), partial, is_global, bool(problems))
         if totals is None and not problems:
             problems.append("another process found a damaged shard or file")
         for key, got_sums in (totals or {}).items():
@@ -135,15 +136,19 @@ class ShardedCheckpoint:
         return out
 
     def _combine(
-        self, partial: dict[str, integrity.Sums], is_global: dict[str, bool], failed: bool
+        self,
+        keys: list[str],
+        partial: dict[str, integrity.Sums],
+        is_global: dict[str, bool],
+        failed: bool,
     ) -> dict[str, integrity.Sums] | None:
         """Each array's sums: a global array's from every process's shards (one small
-        all-gather), a local one's as read here. None when some process found a problem
-        (every process then raises, so that none assigns a variable)."""
+        all-gather, the same length on every process: one slot per wanted key), a local
+        one's as read here. None when some process found a problem (every process then
+        raises, so that none assigns a variable)."""
         if jax.process_count() == 1:
             return None if failed else partial
-        keys = sorted(partial)
-        vec = [int(failed)] + [s for k in keys for s in partial[k]]
+        vec = [int(failed)] + [s for k in keys for s in partial.get(k, (0, 0))]
         multihost_utils = importlib.import_module("jax.experimental.multihost_utils")
         gathered = np.asarray(multihost_utils.process_allgather(np.asarray(vec, np.uint32)))
         gathered = gathered.reshape(jax.process_count(), len(vec)).astype(np.int64)
@@ -151,6 +156,8 @@ class ShardedCheckpoint:
             return None
         out = {}
         for i, k in enumerate(keys):
+            if k not in partial:
+                continue
             if is_global[k]:
                 col = gathered[:, 1 + 2 * i : 3 + 2 * i]
                 out[k] = (int(col[:, 0].sum() % 2**32), int(col[:, 1].sum() % 2**32))
