@@ -193,10 +193,10 @@ def test_state_filters_by_callable_regex_and_ready_made():
         "stack/layer0/b",
         "stack/layer1/b",
     ]
-    assert list(ps.state({"k": model.layers[0].w, "c": model.layers[0].steps}, "k|c")) == [
-        "k",
-        "c",
-    ]
+    # a dict's keys name the state; the expression is searched in the variables' names
+    named = {"k": model.layers[0].w, "c": model.layers[0].steps}
+    assert list(ps.state(named, where="steps$")) == ["c"]
+    assert list(ps.state(named, where=ps.trainable)) == ["k"]
 
 
 @pytest.mark.parametrize(
