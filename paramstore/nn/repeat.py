@@ -139,7 +139,7 @@ class _Template:
         self.block = block
         self.store = store
         self.inits = inits
-        self.variables: list[Variable] = []  # aligned with Repeat._order
+        self.tvars: list[Variable] = []  # aligned with Repeat._order
         self.takes_training = _takes_training(block)
         self.compiled: Any = None  # the eager path's ps.function
         self.others: dict[Any, tuple[list[Variable], list[Variable]]] = {}  # Repeat._others
@@ -261,7 +261,7 @@ class Repeat(Layer):
                 sharding=_stacked_sharding(v),
                 _full_name=v.name,
             )
-        t.variables = [keys[k] for k in order]
+        t.tvars = [keys[k] for k in order]
         self._order = order
         self._in_shape = tuple(np.shape(x))
         self.stacked = made  # one assignment: a pending ps.Checkpoint restore sees it all
@@ -299,7 +299,7 @@ class Repeat(Layer):
         t = self._template
         stacked = [self.stacked[k] for k in self._order]
         xs = [v.value() for v in stacked]
-        template = t.variables
+        template = t.tvars
         call_kwargs = dict(kwargs)
         if training is not None and t.takes_training:
             call_kwargs["training"] = training
@@ -382,9 +382,7 @@ class Repeat(Layer):
 
             def one(h: Any, sl: list[Any], args: tuple, kwargs: dict) -> Any:
                 with _trace.push(capture):
-                    y, frame = self._run_block(
-                        h, list(zip(t.variables, sl)), _trace.OPEN, args, kwargs
-                    )
+                    y, frame = self._run_block(h, list(zip(t.tvars, sl)), _trace.OPEN, args, kwargs)
                 outer.append(frame)
                 return y
 
@@ -401,7 +399,7 @@ class Repeat(Layer):
             specs = [jax.ShapeDtypeStruct(jnp.shape(leaves[i]), leaves[i].dtype) for i in where]
             with _trace.no_frames():
                 jax.eval_shape(flat, sl, *specs)
-            mine = {id(v) for v in t.variables}
+            mine = {id(v) for v in t.tvars}
             written = [v for k, v in outer[0].assigned.items() if k not in mine]
             w_ids = {id(v) for v in written}
             read = [v for k, v in capture.vars.items() if k not in mine and k not in w_ids]
