@@ -37,8 +37,7 @@ Contract (API.md, "Layers"; docs/repeat.md):
 from __future__ import annotations
 
 import inspect
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -51,14 +50,19 @@ from paramstore._store import VariableStore
 from paramstore.function import function
 from paramstore.module import Module
 from paramstore.nn._base import Layer
-from paramstore.random import Generator
+from paramstore.nn._repeat_layout import (
+    all_variables,
+    attribute_paths,
+    generators,
+    stack_state,
+    stacked_initial,
+    stacked_sharding,
+    unstack_state,
+)
 from paramstore.remat import checkpoint_policy
 from paramstore.variable import Variable
 
 __all__ = ["Repeat"]
-
-_SKIP = ("_scope_name", "_module_name", "_ps_pending")
-_STACKED = "stacked"
 
 
 def _takes_training(fn: Callable[..., Any]) -> bool:
@@ -67,55 +71,6 @@ def _takes_training(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return "training" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _attribute_paths(block: Any) -> dict[int, str]:
-    """``{id(variable): attribute path inside block}``, walked as ``ps.Checkpoint`` walks
-    (attributes sorted, dict items by key, list items by index, a generator's ``state``)."""
-    found: dict[int, str] = {}
-    seen: set[int] = set()
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, Variable):
-            found.setdefault(id(obj), path)
-            return
-        if id(obj) in seen:
-            return
-        if isinstance(obj, Module):
-            seen.add(id(obj))
-            for key in sorted(vars(obj)):
-                if key not in _SKIP:
-                    walk(vars(obj)[key], f"{path}/{key}" if path else key)
-        elif isinstance(obj, Mapping):
-            for key in sorted(obj, key=str):
-                walk(obj[key], f"{path}/{key}" if path else str(key))
-        elif isinstance(obj, (list, tuple)):
-            for i, item in enumerate(obj):
-                walk(item, f"{path}/{i}" if path else str(i))
-        elif isinstance(getattr(obj, "state", None), Variable):
-            seen.add(id(obj))
-            walk(obj.state, f"{path}/state" if path else "state")
-
-    walk(block, "")
-    return found
-
-
-def _generators(block: Any) -> Iterator[Generator]:
-    """The ``ps.random.Generator`` objects held (at any depth) by the block's modules."""
-    modules = [block, *block.submodules] if isinstance(block, Module) else [block]
-    stack: list[Any] = [vars(m) for m in modules if hasattr(m, "__dict__")]
-    seen: set[int] = set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Generator):
-            yield obj
-        elif isinstance(obj, Mapping):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
 
 
 def _probe(x: Any) -> Any:
@@ -238,8 +193,8 @@ class Repeat(Layer):
         t = self._template
         _trace.check_create()  # a later ps.function trace: the usual error, nothing run
         found = self._learn(x, args, kwargs)
-        paths = _attribute_paths(t.block)
-        streams = {id(g.state) for g in _generators(t.block)}
+        paths = attribute_paths(t.block)
+        streams = {id(g.state) for g in generators(t.block)}
         own = f"{t.block.scope_name}/" if isinstance(t.block, Module) else ""
         keys: dict[str, Variable] = {}
         for v in found:
@@ -251,14 +206,14 @@ class Repeat(Layer):
         order = sorted(keys)
         for key in order:
             v = keys[key]
-            init = _stacked_initial(
+            init = stacked_initial(
                 t.inits.get(v.name), concrete[id(v)], self.n, v.name, id(v) in streams
             )
             made[key] = Variable(
                 init,
                 trainable=v.trainable,
                 dtype=None if v._is_key else v.dtype,
-                sharding=_stacked_sharding(v),
+                sharding=stacked_sharding(v),
                 _full_name=v.name,
             )
         t.tvars = [keys[k] for k in order]
@@ -429,8 +384,8 @@ class Repeat(Layer):
         ``load_blocks``)."""
         self._block_values(blocks, "store_blocks")
         for i, block in enumerate(blocks):
-            paths = _attribute_paths(block)
-            by_path = {p: v for v in _all_variables(block) if (p := paths.get(id(v)))}
+            paths = attribute_paths(block)
+            by_path = {p: v for v in all_variables(block) if (p := paths.get(id(v)))}
             for key in self._order:
                 by_path[key].assign(self.stacked[key][i].value(), read_value=False)
 
@@ -442,8 +397,8 @@ class Repeat(Layer):
             raise ValueError(f"{me}: expected {self.n} blocks, got {len(blocks)}.")
         out = []
         for i, block in enumerate(blocks):
-            paths = _attribute_paths(block)
-            vals = {p: v.value() for v in _all_variables(block) if (p := paths.get(id(v)))}
+            paths = attribute_paths(block)
+            vals = {p: v.value() for v in all_variables(block) if (p := paths.get(id(v)))}
             missing = sorted(set(self._order) - set(vals))
             extra = sorted(set(vals) - set(self._order))
             if missing or extra:
@@ -454,71 +409,8 @@ class Repeat(Layer):
             out.append(vals)
         return out
 
-    @staticmethod
-    def stack_state(state: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:
-        """Checkpoint keys of ``n`` separate blocks to the stacked layout.
-
-        ``state`` maps keys to arrays (a ``ps.Checkpoint`` file read with
-        ``ps.checkpoint.list_variables``/``load_variable``); the keys ``f"{prefix}/{i}/<path>"``
-        (an unrolled list of blocks) become ``f"{prefix}/stacked/<path>"`` with the blocks'
-        values stacked on a new leading axis; other keys are kept as they are."""
-        pattern = re.compile(re.escape(prefix.rstrip("/")) + r"/(\d+)/(.+)")
-        out: dict[str, np.ndarray] = {}
-        layers: dict[int, dict[str, Any]] = {}
-        for key, value in state.items():
-            match = pattern.fullmatch(key)
-            if match is None:
-                out[key] = np.asarray(value)
-            else:
-                layers.setdefault(int(match[1]), {})[match[2]] = value
-        if not layers:
-            raise KeyError(f"Repeat.stack_state: no key looks like '{prefix}/<i>/...'.")
-        n = len(layers)
-        if sorted(layers) != list(range(n)):
-            raise KeyError(
-                f"Repeat.stack_state: the blocks under '{prefix}' are {sorted(layers)}, "
-                f"expected 0 to {n - 1}."
-            )
-        paths = sorted(layers[0])
-        for i in range(n):
-            if sorted(layers[i]) != paths:
-                raise KeyError(
-                    f"Repeat.stack_state: block {i} under '{prefix}' has keys "
-                    f"{sorted(layers[i])}, block 0 has {paths}."
-                )
-        for path in paths:
-            out[f"{prefix.rstrip('/')}/{_STACKED}/{path}"] = np.stack(
-                [np.asarray(layers[i][path]) for i in range(n)]
-            )
-        return out
-
-    @staticmethod
-    def unstack_state(state: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:
-        """The reverse of ``stack_state``: ``f"{prefix}/stacked/<path>"`` (leading axis
-        ``n``) becomes ``f"{prefix}/{i}/<path>"`` for each block ``i``."""
-        head = f"{prefix.rstrip('/')}/{_STACKED}/"
-        out: dict[str, np.ndarray] = {}
-        found = False
-        for key, value in state.items():
-            if key.startswith(head):
-                found = True
-                arr = np.asarray(value)
-                for i in range(arr.shape[0]):
-                    out[f"{prefix.rstrip('/')}/{i}/{key[len(head) :]}"] = arr[i]
-            else:
-                out[key] = np.asarray(value)
-        if not found:
-            raise KeyError(f"Repeat.unstack_state: no key starts with '{head}'.")
-        return out
-
-
-def _all_variables(block: Any) -> list[Variable]:
-    found = list(block.variables) if isinstance(block, Module) else []
-    seen = {id(v) for v in found}
-    for g in _generators(block):
-        if id(g.state) not in seen:
-            found.append(g.state)
-    return found
+    stack_state = staticmethod(stack_state)
+    unstack_state = staticmethod(unstack_state)
 
 
 def _run_static(repeat: Repeat, x: Any, arrays: list[Any], static: tuple) -> Any:
@@ -529,45 +421,3 @@ def _run_static(repeat: Repeat, x: Any, arrays: list[Any], static: tuple) -> Any
         tree, [next(it) if leaf is None else leaf for leaf in leaves]
     )
     return repeat._scan(x, args, kwargs, training)
-
-
-def _stacked_initial(
-    init: Callable[[], Any] | None, value: Any, n: int, name: str, stream: bool
-) -> Callable[[], Any]:
-    """The initial value of a stacked variable: ``init`` drawn for each layer with the
-    layer index folded into its key; else ``value`` in every layer (a generator state:
-    split per layer)."""
-
-    def stacked() -> Any:
-        if stream:
-            key = jax.random.wrap_key_data(value)
-            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
-            return jax.random.key_data(keys)
-        if init is None:
-            if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-                return jax.vmap(lambda i: jax.random.fold_in(value, i))(jnp.arange(n))
-            return jnp.broadcast_to(value, (n, *value.shape))
-
-        def one(i: Any) -> Any:
-            with _seed.naming(name, index=i):
-                return jnp.asarray(init())
-
-        try:
-            return jax.vmap(one)(jnp.arange(n))
-        except TypeError:  # an initializer vmap cannot batch (NumPy on a tracer...)
-            return jnp.stack([one(i) for i in range(n)])
-
-    return stacked
-
-
-def _stacked_sharding(template: Variable) -> Any:
-    """The stacked variable's sharding: the template's ``NamedSharding`` spec with the
-    stacked axis replicated in front (None: wherever variables go by default).
-
-    Hook for ``ps.sharding.LayoutMap``/partitions: a layout given per block belongs to the
-    template and is extended here the same way."""
-    sharding = template.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
-        spec = tuple(sharding.spec) + (None,) * (template.ndim - len(sharding.spec))
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
-    return None
