@@ -16,10 +16,12 @@ eager ops compiled by another):
 * ``nnx vmap+scan``: Flax NNX, blocks created by ``nnx.vmap`` (``nnx.split_rngs``) and
   applied by ``nnx.scan``, ``nnx.jit`` step with ``nnx.Optimizer``.
 
-Columns: first call (model build + trace + compile + one step, seconds), the median step
-time over ``--steps`` steps (ms), and for the Repeat rows the compiled step's temporary
-memory (``compiled.memory_analysis().temp_size_in_bytes`` of the same step as a pure
-function of the state). Then the targets: first call at the deepest / at 2 layers,
+Columns: first call (model build + trace + compile + one step, seconds), the median and
+the minimum step time over ``--steps`` steps (ms; the variants of one depth take turns, step
+by step, so a shared machine's load hits them alike), for the Repeat rows the compiled
+step's temporary memory (``compiled.memory_analysis().temp_size_in_bytes`` of the same step
+as a pure function of the state), and the compiled step's flops (``cost_analysis()``) for
+the Repeat and reference rows. Then the targets: first call at the deepest / at 2 layers,
 Repeat step / reference step at every depth, remat temp memory / plain temp memory.
 """
 
@@ -113,8 +115,14 @@ def _ps_variant(n: int, *, scanned: bool, remat: bool = False) -> Built:
         compiled = jax.jit(pure_step, donate_argnums=0).lower(ps.state(variables)).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
+    def flops() -> float:
+        variables = [*model.variables, *holder["opt"].variables]
+        compiled = jax.jit(ps.pure(update, variables)).lower(ps.state(variables)).compile()
+        return float(compiled.cost_analysis()["flops"])
+
     if scanned:
         extra["temp_memory"] = temp_memory
+        extra["flops"] = flops
     return step, extra
 
 
@@ -192,7 +200,11 @@ def _jax_variant(n: int) -> Built:
         state[0], state[1], loss = step_jit(state[0], state[1])
         return loss
 
-    return step, {}
+    def flops() -> float:
+        compiled = _step.lower(state[0], state[1]).compile()
+        return float(compiled.cost_analysis()["flops"])
+
+    return step, {"flops": flops}
 
 
 # ----------------------------------------------------------------- Flax NNX
@@ -255,20 +267,24 @@ VARIANTS: dict[str, Callable[[int], Built]] = {
 REFERENCE = "jax scan [reference]"
 
 
-def measure(name: str, n: int, steps: int) -> dict[str, float]:
+def first_call(name: str, n: int) -> tuple[Callable[[], jax.Array], dict[str, Any], float]:
+    """Build the variant and run its first step: (step, extra, seconds)."""
     t0 = time.perf_counter()
     step, extra = VARIANTS[name](n)
     jax.block_until_ready(step())
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - t)
-    out = {"first": first, "step": statistics.median(times) * 1e3}
-    if "temp_memory" in extra:
-        out["temp"] = extra["temp_memory"]() / 2**20
-    return out
+    return step, extra, time.perf_counter() - t0
+
+
+def step_times(steps: dict[str, Callable[[], jax.Array]], count: int) -> dict[str, list[float]]:
+    """``count`` timed steps of each variant, the variants taking turns (a shared machine's
+    load then hits them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(count):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            jax.block_until_ready(step())
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return times
 
 
 def main() -> None:
@@ -290,20 +306,37 @@ def main() -> None:
     )
     for name in names:  # warm-up: every variant's eager ops compiled once
         if "remat" not in name:
-            measure(name, 2, 1)
+            first_call(name, 2)
     results: dict[tuple[str, int], dict[str, float]] = {}
-    print("| variant | layers | first call s | step ms | temp MiB |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| variant | layers | first call s | step ms (median) | step ms (min) | temp MiB | flops |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for n in depths:
+        built: dict[str, Callable[[], jax.Array]] = {}
         for name in names:
             if name.startswith("unrolled") and n > args.unrolled_max:
-                print(f"| {name} | {n} | skipped (> --unrolled-max) | | |")
+                print(f"| {name} | {n} | skipped (> --unrolled-max) | | | | |")
                 continue
             if "remat" in name and n < min(args.remat_min, depths[-1]):
                 continue
-            r = results[(name, n)] = measure(name, n, steps)
+            step, extra, first = first_call(name, n)
+            built[name] = step
+            r = results[(name, n)] = {"first": first}
+            if "temp_memory" in extra:
+                r["temp"] = extra["temp_memory"]() / 2**20
+            if "flops" in extra:
+                r["flops"] = extra["flops"]()
+        for name, ts in step_times(built, steps).items():
+            r = results[(name, n)]
+            r["step"], r["min"] = statistics.median(ts), min(ts)
             temp = f"{r['temp']:.2f}" if "temp" in r else ""
-            print(f"| {name} | {n} | {r['first']:.2f} | {r['step']:.2f} | {temp} |", flush=True)
+            flops = f"{r['flops']:.3g}" if "flops" in r else ""
+            print(
+                f"| {name} | {n} | {r['first']:.2f} | {r['step']:.2f} | {r['min']:.2f} | "
+                f"{temp} | {flops} |",
+                flush=True,
+            )
     print()
     lo, hi = depths[0], depths[-1]
     for name in ("ps.nn.Repeat", "nnx vmap+scan", REFERENCE):
@@ -312,8 +345,12 @@ def main() -> None:
             print(f"first call at {hi} / at {lo} layers, {name}: {ratio:.2f}x (target <= 1.5x)")
     for n in depths:
         if ("ps.nn.Repeat", n) in results and (REFERENCE, n) in results:
-            ratio = results[("ps.nn.Repeat", n)]["step"] / results[(REFERENCE, n)]["step"]
-            print(f"step at {n} layers, ps.nn.Repeat / reference: {ratio:.3f}x (target <= 1.05x)")
+            a, b = results[("ps.nn.Repeat", n)], results[(REFERENCE, n)]
+            print(
+                f"step at {n} layers, ps.nn.Repeat / reference: median {a['step'] / b['step']:.3f}x, "
+                f"min {a['min'] / b['min']:.3f}x, flops {a['flops'] / b['flops']:.3f}x "
+                "(target <= 1.05x)"
+            )
     a, b = ("ps.nn.Repeat(remat=True)", hi), ("ps.nn.Repeat", hi)
     if a in results and b in results:
         ratio = results[a]["temp"] / results[b]["temp"]
