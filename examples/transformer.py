@@ -8,7 +8,7 @@ Run ``python examples/transformer.py`` (about a minute on a 2-core CPU). It show
   and embeddings, said by variable name;
 * the blocks stacked by ``ps.nn.Repeat`` (one ``lax.scan``: compile time does not grow with
   ``--layers``); ``--unrolled`` holds them in a Python list applied by a loop instead
-  (see docs/repeat.md for when each is better);
+  (see docs/guides/repeat.md for when each is better);
 * K training steps fused into one ``ps.function`` call by a plain ``jax.lax.scan`` whose body
   calls ``opt.apply_gradients`` (``--fuse K``; ``--fuse 0`` runs one call per step);
 * a tqdm progress bar, a checkpoint of model and optimizer saved and restored, and text

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import paramstore as ps
 
@@ -402,3 +403,23 @@ def test_a_block_changing_the_shape_is_refused(fresh_store):
     _nothing_created(fresh_store, lambda: r2(_x((2, 5))), ValueError, "built for inputs")
     for v in r2.variables:
         np.testing.assert_array_equal(v.numpy(), kept[v.name])
+
+
+def test_layout_map_and_partitions_describe_one_block_the_stacked_axis_is_replicated():
+    mesh = jax.make_mesh((len(jax.devices()),), ("model",))
+    layout = ps.sharding.LayoutMap(mesh)
+    layout[r"dense.*/kernel"] = (None, "model")
+    x = _x()
+    with ps.device(layout):
+        r = ps.nn.Repeat(lambda: ps.nn.Dense(D), 3)
+        r(x)
+    specs = ps.sharding.specs(r)
+    assert specs["repeat/dense/kernel"] == P(None, None, "model")
+    assert r.stacked["kernel"].shape == (3, D, D)
+    with ps.sharding.axis_rules(mesh, {"mlp": "model"}):
+        r2 = ps.nn.Repeat(lambda: ps.nn.Dense(D, kernel_partition=("embed", "mlp")), 2)
+        r2(x)
+    kernel = r2.stacked["kernel"]
+    assert kernel.partition == (None, "embed", "mlp")
+    assert ps.sharding.specs(r2)[kernel.name] == P(None, None, "model")
+    np.testing.assert_allclose(r2(x), ps.function(lambda x: r2(x))(x), rtol=1e-6, atol=1e-6)

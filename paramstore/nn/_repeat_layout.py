@@ -1,6 +1,6 @@
 """``ps.nn.Repeat``'s layout helpers: attribute paths, stacked initial values and
 shardings, and the conversion of checkpoint keys between ``n`` blocks and the stacked layout
-(see ``paramstore/nn/repeat.py`` and docs/repeat.md)."""
+(see ``paramstore/nn/repeat.py`` and docs/guides/repeat.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ __all__ = [
     "all_variables",
     "stacked_initial",
     "stacked_sharding",
+    "stacked_partition",
     "stack_state",
     "unstack_state",
 ]
@@ -120,16 +121,21 @@ def stacked_initial(
 
 
 def stacked_sharding(template: Variable) -> Any:
-    """The stacked variable's sharding: the template's ``NamedSharding`` spec with the
-    stacked axis replicated in front (None: wherever variables go by default).
-
-    Hook for ``ps.sharding.LayoutMap``/partitions: a layout given per block belongs to the
-    template and is extended here the same way."""
+    """The stacked variable's sharding: the template's ``NamedSharding`` (from ``sharding=``,
+    a ``ps.sharding.LayoutMap`` entry or a partition under ``axis_rules``, all resolved for
+    the per-block shape when the template was created) with the stacked axis replicated in
+    front; None where the template has no mesh layout."""
     sharding = template.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+    if isinstance(sharding, jax.sharding.NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (template.ndim - len(sharding.spec))
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec))
     return None
+
+
+def stacked_partition(template: Variable) -> tuple[Any, ...] | None:
+    """The template's logical partition with an unnamed stacked axis in front."""
+    partition = template.partition
+    return None if partition is None else (None, *partition)
 
 
 def stack_state(state: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """``ps.nn.Repeat``: ``n`` copies of a block, stored stacked, applied by one ``lax.scan``.
 
-Contract (API.md, "Layers"; docs/repeat.md):
+Contract (API.md, "Layers"; docs/guides/repeat.md):
 
 * ``Repeat(make_block, n, *, remat=None, name=None)`` calls ``make_block()`` once, inside
   its own name scope, and keeps the result as a *template*: its variables live in a private
@@ -29,9 +29,11 @@ Contract (API.md, "Layers"; docs/repeat.md):
   ``model/blocks/stacked/<path>`` where an unrolled list of blocks has
   ``model/blocks/<i>/<path>``: ``Repeat.stack_state``/``unstack_state`` convert one into
   the other; ``load_blocks``/``store_blocks`` copy to and from live blocks.
-* Sharding: a template variable created with a ``NamedSharding`` gets the same spec with
-  the stacked axis replicated in front. (``ps.sharding.LayoutMap`` entries match the
-  per-block rank; the hook for them is ``_stacked_sharding``.)
+* Sharding: the template's variables are created where the stacked ones are (inside the
+  same ``ps.device(layout_map)`` / ``axis_rules`` blocks), so a ``LayoutMap`` entry or a
+  partition describes the per-block shape; each stacked variable gets its template's
+  ``NamedSharding`` with the stacked axis replicated in front (``P(None, *spec)``) and its
+  partition with ``None`` in front.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from paramstore.nn._repeat_layout import (
     generators,
     stack_state,
     stacked_initial,
+    stacked_partition,
     stacked_sharding,
     unstack_state,
 )
@@ -214,6 +217,7 @@ class Repeat(Layer):
                 trainable=v.trainable,
                 dtype=None if v._is_key else v.dtype,
                 sharding=stacked_sharding(v),
+                partition=stacked_partition(v),
                 _full_name=v.name,
             )
         t.tvars = [keys[k] for k in order]
