@@ -10,6 +10,7 @@ from paramstore.nn.attention import MultiHeadAttention
 from paramstore.nn.conv import Conv2D
 from paramstore.nn.core import Dense, Dropout, Embedding, Sequential
 from paramstore.nn.normalization import BatchNormalization, LayerNormalization
+from paramstore.nn.repeat import Repeat
 
 __all__ = [
     "BatchNormalization",
@@ -20,5 +21,6 @@ __all__ = [
     "Layer",
     "LayerNormalization",
     "MultiHeadAttention",
+    "Repeat",
     "Sequential",
 ]
