@@ -1,6 +1,6 @@
 """``ps.remat``: rematerialization (``jax.checkpoint``) for code that uses Variables.
 
-Contract (API.md, "Layers"):
+Contract (docs/api.md, "Layers"):
 
 * ``ps.remat(fn, policy=None)`` returns ``fn`` wrapped so that, under a gradient
   (``ps.grad``, ``jax.grad`` of a ``ps.pure`` function), the activations computed inside

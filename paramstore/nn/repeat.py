@@ -1,6 +1,6 @@
 """``ps.nn.Repeat``: ``n`` copies of a block, stored stacked, applied by one ``lax.scan``.
 
-Contract (API.md, "Layers"; docs/guides/repeat.md):
+Contract (docs/api.md, "Layers"; docs/guides/repeat.md):
 
 * ``Repeat(make_block, n, *, remat=None, name=None)`` calls ``make_block()`` once, inside
   its own name scope, and keeps the result as a *template*: its variables live in a private
