@@ -83,8 +83,12 @@ def error(name: str, what: str = "used") -> ValueError:
 
 
 def spread(sharding: Sharding | None) -> bool:
-    """Whether ``sharding`` spans several devices (then creation runs a sharded program)."""
-    return sharding is not None and len(sharding.device_set) > 1
+    """Whether ``sharding`` splits a value over several devices (then creation runs a
+    sharded program). A replicated value is whole on every device anyway: computing it
+    eagerly and copying it costs no more memory and no compilation."""
+    return (
+        sharding is not None and len(sharding.device_set) > 1 and not sharding.is_fully_replicated
+    )
 
 
 def shape_of(make: Make) -> jax.ShapeDtypeStruct | None:
