@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore import _trace
+from paramstore import _html, _trace
 from paramstore._context import CACHED, STATE_LOCK, VERSION, prefixed, release_cached
 from paramstore._dtypes import (
     STRING,
@@ -371,6 +371,9 @@ class Variable(_ArrayOps):
 
     def __getitem__(self, index: Any) -> VariableSlice:
         return VariableSlice(self, index)
+
+    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_html.py)
+        return _html.variable_html(self)
 
     def __repr__(self) -> str:
         head = f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()}"
