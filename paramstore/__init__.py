@@ -3,7 +3,7 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, nn, random
+from paramstore import checkpoint, initializers, metrics, nn, random
 from paramstore._placement import device
 from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
@@ -44,6 +44,7 @@ __all__ = [
     "get_variable",
     "grad",
     "initializers",
+    "metrics",
     "name_scope",
     "nn",
     "pure",

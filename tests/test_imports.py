@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("scopes and modules", ["scope", "module", "initializers", "random", "_collect"]),
     ("functional core", ["functional"]),
     ("compiled functions", ["function", "sharding"]),
-    ("training", ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary"]),
+    ("training", ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary", "metrics"]),
     (
         "checkpoints",
         [
