@@ -66,11 +66,15 @@ def _row(path: str, v: Any) -> str:
         human_bytes(nbytes(v)),
         "yes" if v.trainable else "no",
     )
-    return "<tr>" + "".join(
-        f'<td style="{_CELL};text-align:{"right" if i in (4, 5) else "left"}">'
-        f"{html.escape(c)}</td>"
-        for i, c in enumerate(cells)
-    ) + "</tr>"
+    return (
+        "<tr>"
+        + "".join(
+            f'<td style="{_CELL};text-align:{"right" if i in (4, 5) else "left"}">'
+            f"{html.escape(c)}</td>"
+            for i, c in enumerate(cells)
+        )
+        + "</tr>"
+    )
 
 
 def _table(rows: list[str]) -> str:

@@ -146,7 +146,9 @@ class Mean(Metric):
 
     def result(self) -> Array:
         total, count = self.total.value(), self.count.value()
-        return jnp.where(count == 0, jnp.zeros((), total.dtype), total / jnp.where(count == 0, 1, count))
+        return jnp.where(
+            count == 0, jnp.zeros((), total.dtype), total / jnp.where(count == 0, 1, count)
+        )
 
 
 class _MeanOf(Mean):

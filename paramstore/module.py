@@ -85,7 +85,7 @@ class Module:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "__call__" in cls.__dict__:  # training= travels down (paramstore/_training.py)
-            cls.__call__ = _training.propagate(cls.__dict__["__call__"])  # type: ignore[operator]
+            cls.__call__ = _training.propagate(cls.__dict__["__call__"])  # type: ignore[method-assign]
         init = cls.__dict__.get("__init__")
         if init is None:
             return

@@ -32,9 +32,9 @@ def _inputs(kind):
             np.float32
         )
     if kind == "onehot":
-        return np.eye(4, dtype=np.float32)[RNG.integers(0, 4, 6)], RNG.uniform(
-            size=(6, 4)
-        ).astype(np.float32)
+        return np.eye(4, dtype=np.float32)[RNG.integers(0, 4, 6)], RNG.uniform(size=(6, 4)).astype(
+            np.float32
+        )
     if kind == "sparse":
         return RNG.integers(0, 4, (6,)).astype(np.int32), RNG.uniform(size=(6, 4)).astype(
             np.float32
@@ -78,9 +78,7 @@ def test_equal_to_keras(keras, cls, kind, kwargs, weighted):
         np.testing.assert_allclose(ours.result(), theirs.result(), rtol=1e-5, atol=1e-6)
     assert isinstance(ours.result(), jax.Array)
     assert ours.name == theirs.name  # Keras' default names
-    assert {v.name.rpartition("/")[2] for v in ours.variables} == {
-        v.name for v in theirs.variables
-    }
+    assert {v.name.rpartition("/")[2] for v in ours.variables} == {v.name for v in theirs.variables}
     assert all(not v.trainable for v in ours.variables)
     ours.reset_state()
     theirs.reset_state()

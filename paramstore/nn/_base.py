@@ -23,9 +23,10 @@ Contract (API.md, "Layers"):
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -35,8 +36,16 @@ from paramstore import initializers as _init
 from paramstore._summary import summary
 from paramstore.module import Module
 
-__all__ = ["ACTIVATIONS", "Layer", "Shape", "as_float",
-    "features", "initializer", "resolve_activation"]
+__all__ = [
+    "ACTIVATIONS",
+    "Layer",
+    "Shape",
+    "as_float",
+    "features",
+    "initializer",
+    "keras_name",
+    "resolve_activation",
+]
 
 Activation = Callable[[jax.Array], jax.Array]
 Shape = tuple[int | None, ...]
@@ -45,7 +54,9 @@ Shape = tuple[int | None, ...]
 def _shrink(threshold: float, soft: bool) -> Activation:
     def fn(x: jax.Array) -> jax.Array:
         if soft:
-            return jnp.where(x > threshold, x - threshold, jnp.where(x < -threshold, x + threshold, 0))
+            return jnp.where(
+                x > threshold, x - threshold, jnp.where(x < -threshold, x + threshold, 0)
+            )
         return jnp.where(jnp.abs(x) > threshold, x, 0).astype(x.dtype)
 
     return fn
@@ -194,6 +205,14 @@ def features(layer: Layer, shape: Shape) -> int:
     return shape[-1]
 
 
+def keras_name(cls_name: str) -> str:
+    """Keras' default layer name: ``"MaxPooling2D"`` -> ``"max_pooling2d"``, ``"Conv1D"`` ->
+    ``"conv1d"`` (the plain snake_case would give ``"max_pooling2_d"``)."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", cls_name)
+    name = re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
+    return re.sub(r"(\d)_d\b", r"\1d", name)
+
+
 class Layer(Module):
     """A module that builds its variables once, from its first input's shape (see the
     module docstring)."""
@@ -221,7 +240,7 @@ class Layer(Module):
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def build(self, input_shape: Sequence[int | None]) -> None:  # wrapped below
+    def build(self, input_shape: Shape) -> None:  # wrapped below
         """Create the variables for inputs of ``input_shape`` (as the first call would)."""
 
     def check_shape(self, *shapes: Shape | None) -> None:

@@ -13,6 +13,7 @@ from paramstore.nn._base import (
     Shape,
     as_float,
     initializer,
+    keras_name,
     resolve_activation,
 )
 from paramstore.variable import Variable
@@ -83,7 +84,7 @@ class _Conv(Layer):
         name: str | None = None,
     ) -> None:
         kind = type(self).__name__
-        super().__init__(name=name or kind.lower())  # Keras' name ("conv2d", not "conv2_d")
+        super().__init__(name=name or keras_name(kind))
         if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
             raise ValueError(f"{kind}: filters must be a positive int, got {filters!r}.")
         n = self.spatial

@@ -134,9 +134,7 @@ class Embedding(Layer):
         # Traced ids cannot be checked: an id outside [0, input_dim) gives a row of NaN
         # (never a wrapped or clipped row), as documented in docs/layers.md.
         safe = jnp.where((ids < 0) | (ids >= self.input_dim), self.input_dim, ids)
-        return jnp.take(
-            self.embeddings.value(), safe, axis=0, mode="fill", fill_value=jnp.nan
-        )
+        return jnp.take(self.embeddings.value(), safe, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class Dropout(Layer):

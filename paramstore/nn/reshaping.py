@@ -48,6 +48,7 @@ class Reshape(_Stateless):
 
     def __init__(self, target_shape: tuple[int, ...], name: str | None = None) -> None:
         super().__init__(name=name)
+        dims: tuple[Any, ...]
         try:
             dims = tuple(target_shape)
         except TypeError:
