@@ -4,6 +4,7 @@ See ``docs/api.md`` for the reference; each module's docstring states its part o
 """
 
 from paramstore import checkpoint, initializers, metrics, nn, random
+from paramstore._display import display
 from paramstore._placement import device
 from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
@@ -40,6 +41,7 @@ __all__ = [
     "VariableStore",
     "checkpoint",
     "device",
+    "display",
     "function",
     "get_variable",
     "grad",

@@ -43,7 +43,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("scopes and modules", ["scope", "module", "initializers", "random", "_collect"]),
     ("functional core", ["functional"]),
     ("compiled functions", ["function", "sharding"]),
-    ("training", ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary", "metrics"]),
+    (
+        "training",
+        ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary", "metrics", "_display"],
+    ),
     (
         "checkpoints",
         [
