@@ -97,6 +97,28 @@ def test_activation_names_cover_keras_where_they_need_no_arguments():
     assert keras  # the import above needs Keras
 
 
+def test_gradients_flow_through_the_new_layers():
+    model = ps.nn.Sequential(
+        [
+            ps.nn.Conv2D(3, 2, padding="same"),
+            ps.nn.MaxPooling2D(),
+            ps.nn.AveragePooling2D((1, 1), padding="same"),
+            ps.nn.Reshape((2, 2, 3)),
+            ps.nn.GlobalMaxPooling2D(keepdims=True),
+            ps.nn.GlobalAveragePooling2D(),
+            ps.nn.Activation("gelu"),
+            ps.nn.Flatten(),
+            ps.nn.Dense(1),
+        ]
+    )
+    x = jnp.asarray(rand(2, 4, 4, 1))
+    model(x)
+    grads = ps.function(lambda x: ps.grad(lambda: jnp.sum(model(x)), model)())(x)
+    leaves = jax.tree_util.tree_leaves(grads)
+    assert len(leaves) == 4  # two kernels, two biases
+    assert all(np.isfinite(np.asarray(g)).all() and float(jnp.abs(g).sum()) > 0 for g in leaves)
+
+
 # ------------------------------------------------------------------------ build
 
 

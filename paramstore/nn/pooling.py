@@ -61,7 +61,7 @@ class MaxPooling2D(_Pooling2D):
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
-        return self._reduce(x, jnp.array(-jnp.inf, x.dtype), jax.lax.max)
+        return self._reduce(x, -jnp.inf, jax.lax.max)
 
 
 class AveragePooling2D(_Pooling2D):
@@ -71,7 +71,7 @@ class AveragePooling2D(_Pooling2D):
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
-        zero = jnp.array(0, x.dtype)
+        zero = 0.0  # Python scalars select the differentiable reduce_window_{max,sum}
         total = self._reduce(x, zero, jax.lax.add)
         if self.padding == "valid":
             return total / np.prod(self.pool_size)
