@@ -30,3 +30,10 @@ def test_step_benchmark_prints_ratios_to_the_reference():
     out = run("step.py", "--quick", "--models", "dispatch", "--variants", "ps.function")
     assert "jax.jit (donated) [reference]" in out and "ps.function" in out
     assert "first call (trace+compile+step), ps.function / jax.jit" in out
+
+
+@pytest.mark.slow
+def test_metrics_benchmark_prints_ratios_to_the_hand_written_sums():
+    out = run("metrics.py", "--quick")
+    assert "ps.function + hand-written sums [reference]" in out
+    assert "ps.function + ps.metrics (3 metrics)" in out and "async cpu us" in out
