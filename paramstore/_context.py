@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "VERSION", "CACHED", "release_cached"]
+__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK"]
 
 
 @dataclass(frozen=True)
@@ -52,19 +52,3 @@ def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
 # dispatch, swap), holds it, so each is atomic with respect to the variables it touches.
 # Re-entrant: a write path may call another.
 STATE_LOCK = threading.RLock()
-# The state version: bumped (under STATE_LOCK) by every write of a variable's array and
-# every read that hands an array out. A compiled call that finds it unchanged since its own
-# last call knows that its inputs are exactly its last outputs and that nobody was handed
-# them, so it skips the per-variable gather and reference-count check (ps.function).
-VERSION = [0]
-# The one compiled entry whose cached inputs are live (see ps.function's steady path).
-# Every write releases it, so a cache never pins buffers that variables no longer hold.
-CACHED: list[Any] = [None]
-
-
-def release_cached() -> None:
-    """Drop the live cache (call under STATE_LOCK, when variables get new arrays)."""
-    holder = CACHED[0]
-    if holder is not None:
-        CACHED[0] = None
-        holder.last = ((), ())

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paramstore._context import STATE_LOCK, VERSION, ctx
+from paramstore._context import STATE_LOCK, ctx
 from paramstore._jax import (
     EVAL,
     Tracer,
@@ -49,6 +49,7 @@ from paramstore._jax import (
     trace_of,
     tracer_in,
 )
+from paramstore._ownership import ownership
 
 __all__ = ["Frame", "PURE", "OPEN", "CAPTURE", "push", "active", "read", "bind", "create"]
 
@@ -197,7 +198,7 @@ def outside(var: Variable) -> Any:
             "ps.pure function (see docs/state.md)."
         )
     with STATE_LOCK:  # a step's refcount check then counts this reader
-        VERSION[0] += 1
+        ownership.version += 1
         return var._value
 
 

@@ -56,18 +56,12 @@ from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
-from paramstore._context import CACHED, STATE_LOCK, VERSION, release_cached
+from paramstore._context import STATE_LOCK
 from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, pure_jaxpr, staging
+from paramstore._ownership import ownership, private_copy
 from paramstore._store import default_store
 from paramstore.module import Module
-from paramstore.variable import (
-    INITIAL_OVERRIDES,
-    UNOWNED,
-    Variable,
-    VariableSlice,
-    private_copy,
-    write_all,
-)
+from paramstore.variable import Variable, VariableSlice
 
 __all__ = ["function", "Function"]
 
@@ -161,30 +155,31 @@ class _Entry:
         if self.wait:
             return self._call_and_wait(leaves)
         with STATE_LOCK:
-            if VERSION[0] == self.version and CACHED[0] is self:  # nothing written or
+            if ownership.version == self.version and ownership.cached is self:  # nothing written or
                 don, ro = self.last  # handed out since our last call: our own last outputs
             else:
-                release_cached()  # no cache may hold references while we count them
+                ownership.release_cached()  # no cache may hold references while we count them
                 don = list(map(_get_value, self.donated))
                 if self.donate:
                     counts = list(map(sys.getrefcount, don))
-                    unowned = UNOWNED and not self.donated_ids.isdisjoint(UNOWNED)
+                    owners = ownership.unowned
+                    unowned = owners and not self.donated_ids.isdisjoint(owners)
                     if unowned or max(counts) > _OWN_REFS:  # someone may hold it: a copy
                         don = [
-                            private_copy(x) if c > _OWN_REFS or id(v) in UNOWNED else x
+                            private_copy(x) if c > _OWN_REFS or id(v) in owners else x
                             for v, x, c in zip(self.donated, don, counts)
                         ]
                 ro = list(map(_get_value, self.readonly))
             new, out = self.runner(don, ro, leaves)
             if new:
-                write_all(self.assigned, self.assigned_ids, new)
+                ownership.write_many(self.assigned, self.assigned_ids, new)
             if self.distinct:
-                release_cached()
-                CACHED[0] = self
+                ownership.release_cached()
+                ownership.cached = self
                 self.last = (new[: self.n_donated], ro)
-                self.version = VERSION[0]
+                self.version = ownership.version
             else:  # outputs may share input or variable buffers: handed out, as value() does
-                VERSION[0] += 1
+                ownership.version += 1
         return out[0] if self.one_out else jax.tree_util.tree_unflatten(self.out_tree, out)
 
     def _call_and_wait(self, leaves: list[Any]) -> Any:
@@ -197,7 +192,7 @@ class _Entry:
         new, out = jax.block_until_ready(self.runner(don, ro, leaves))
         if new:
             with STATE_LOCK:
-                write_all(self.assigned, self.assigned_ids, new)
+                ownership.write_many(self.assigned, self.assigned_ids, new)
         return jax.tree_util.tree_unflatten(self.out_tree, out)
 
     def _transformed(self) -> None:
@@ -514,7 +509,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     if any(used_in[n_consts:]):
         for var, _ in created:
             default_store()._forget(var)
-            INITIAL_OVERRIDES.pop(id(var), None)
+            ownership.initial_overrides.pop(id(var), None)
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "
             "depends on the values of the function's arguments. An initial value may depend "
@@ -523,9 +518,24 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
         ) from error
     consts = [c for c, used in zip(closed.consts, used_in[:n_consts]) if used]
     init = init.replace(debug_info=init.debug_info.with_unknown_names())
-    values = jax.jit(jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, [])))(*consts)
+    # A variable created with a sharding (sharding=, a LayoutMap, axis rules) gets its value
+    # from a program compiled with that output sharding: no device holds more than its
+    # shards. The others come from a program with no output shardings, as before.
+    shardings = [v._value.sharding for v, _ in created]
+    run = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, []))
+    values: list[Any] = [None] * n_created
+    placed = [i for i, sh in enumerate(shardings) if sh is not None]
+    for group in (placed, [i for i, sh in enumerate(shardings) if sh is None]):
+        if group:
+            outs = [shardings[i] for i in group] if group is placed else None
+            program = jax.jit(lambda *c, g=group: [run(*c)[i] for i in g], out_shardings=outs)
+            for i, value in zip(group, program(*consts)):
+                values[i] = value
     for (var, _), value in zip(created, values):
-        var._write(INITIAL_OVERRIDES.pop(id(var), value), owned=True)
+        override = ownership.initial_overrides.pop(id(var), None)
+        if override is not None and var._value.sharding is not None:
+            override = jax.device_put(override, var._value.sharding)
+        var._write(value if override is None else override, owned=True)
 
 
 def _static_args(

@@ -1,6 +1,6 @@
 """``ps.Variable``: a stateful facade over an immutable ``jax.Array``.
 
-Contract (see API.md, "Variables"):
+Contract (see docs/api.md, "Variables"):
 
 * A Variable holds one immutable array. ``assign`` builds a new array and swaps it in, so a
   value read before an assign keeps its old contents. Shape and dtype never change.
@@ -33,49 +33,46 @@ Contract (see API.md, "Variables"):
 * ``copy.deepcopy(v)`` is an independent variable (same value, dtype, shape, trainable
   flag; a new unique name in the current default store); ``pickle`` raises ``TypeError``
   pointing to ``ps.Saver`` / ``ps.Checkpoint``.
+* Where a new variable lives and how its initializer runs (API.md, "Models larger than one
+  device") is ``paramstore._creation``'s: an initializer with a multi-device sharding runs
+  compiled with it as output sharding; inside ``ps.abstract()`` a variable is an
+  ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``).
+  ``set_initial_value`` is the one way to make an abstract variable concrete with a given
+  array (checkpoint restores call it, and ``ps.initialize``).
 """
 
 from __future__ import annotations
 
-import operator
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore import _html, _trace
-from paramstore._context import CACHED, STATE_LOCK, VERSION, prefixed, release_cached
+from paramstore import _abstract, _html, _trace
+from paramstore._array_ops import ArrayOps, unwrap
+from paramstore._context import STATE_LOCK, prefixed
+from paramstore._creation import abstract_value, created, shaped
 from paramstore._dtypes import (
     STRING,
-    canonical_dtype,
     dtype_error,
     is_key_dtype,
     is_text,
     lossless,
     shape_error,
     strong,
-    tf_infer,
     to_strings,
 )
-from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, in_trace, staging
-from paramstore._placement import place, placement
-from paramstore._seed import naming
+from paramstore._initial import broadcasts, fresh
+from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, staging
+from paramstore._layout import check_partition
+from paramstore._ownership import ownership
+from paramstore._placement import place
+from paramstore._slice import VariableSlice
 from paramstore._store import default_store
 
-__all__ = [
-    "Variable",
-    "VariableSlice",
-    "Reference",
-    "UNOWNED",
-    "INITIAL_OVERRIDES",
-    "write_all",
-    "private_copy",
-    "set_initial_value",
-]
+__all__ = ["Variable", "VariableSlice", "Reference", "set_initial_value"]
 
 # Eager updates call these directly: jit's C++ dispatch skips jnp's Python argument checks.
 # An owned buffer that nobody else holds is donated into the update (issue figures: a
@@ -88,13 +85,6 @@ _EAGER = {
 # name, getrefcount's argument.
 _OWN_REFS = 3
 _MISSING = object()
-# ids of the variables whose array may be shared with someone else (a jax.Array the user
-# passed in, another variable's): copied before their first donation. A set, so that the
-# per-call check of ps.function is one `isdisjoint` while it is empty (the steady state).
-# A dead variable's id may linger: a new variable with that id sets its own mark.
-UNOWNED: set[int] = set()
-# Values given by set_initial_value to variables whose initial value a trace computes.
-INITIAL_OVERRIDES: dict[int, Any] = {}
 
 
 def _traced_context_error(name: str) -> TypeError:
@@ -104,111 +94,6 @@ def _traced_context_error(name: str) -> TypeError:
         "leaked tracer, or the assign would run once at trace time only. Decorate the "
         "function with @ps.function, or make it pure with ps.pure(fn, variables)."
     )
-
-
-def _unwrap(x: Any) -> Any:
-    return x.value() if isinstance(x, (Variable, VariableSlice)) else x
-
-
-def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable, Callable]:
-    def forward(self: Any, other: Any) -> Any:
-        return op(self.value(), _unwrap(other))
-
-    def reflected(self: Any, other: Any) -> Any:
-        return op(_unwrap(other), self.value())
-
-    return forward, reflected
-
-
-class _ArrayOps:
-    """Operators, conversions and array methods, all computed on ``self.value()``."""
-
-    __slots__ = ()
-    # Higher than NumPy's, as jax.Array's: `np_array @ v` defers to our reflected operator
-    # (a JAX op that sees the traced value) instead of converting v through __array__.
-    __array_priority__ = 100
-
-    def value(self) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    __add__, __radd__ = _binary(operator.add)
-    __sub__, __rsub__ = _binary(operator.sub)
-    __mul__, __rmul__ = _binary(operator.mul)
-    __truediv__, __rtruediv__ = _binary(operator.truediv)
-    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
-    __mod__, __rmod__ = _binary(operator.mod)
-    __pow__, __rpow__ = _binary(operator.pow)
-    __matmul__, __rmatmul__ = _binary(operator.matmul)
-    __and__, __rand__ = _binary(operator.and_)
-    __or__, __ror__ = _binary(operator.or_)
-    __xor__, __rxor__ = _binary(operator.xor)
-    __lshift__, __rlshift__ = _binary(operator.lshift)
-    __rshift__, __rrshift__ = _binary(operator.rshift)
-    __lt__, _ = _binary(operator.lt)
-    __le__, _ = _binary(operator.le)
-    __gt__, _ = _binary(operator.gt)
-    __ge__, _ = _binary(operator.ge)
-    __eq__, _ = _binary(operator.eq)  # type: ignore[assignment]
-    __ne__, _ = _binary(operator.ne)  # type: ignore[assignment]
-    del _
-
-    def __neg__(self) -> Any:
-        return -self.value()
-
-    def __pos__(self) -> Any:
-        return +self.value()
-
-    def __abs__(self) -> Any:
-        return abs(self.value())
-
-    def __invert__(self) -> Any:
-        return ~self.value()
-
-    def __bool__(self) -> bool:
-        return bool(self.value())
-
-    def __float__(self) -> float:
-        return float(self.value())
-
-    def __int__(self) -> int:
-        return int(self.value())
-
-    def __index__(self) -> int:
-        return operator.index(self.value())
-
-    def __complex__(self) -> complex:
-        return complex(self.value())
-
-    def __len__(self) -> int:
-        return len(self.value())
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.value())
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        arr = np.asarray(self.value())
-        if dtype is not None:
-            arr = arr.astype(dtype)
-        return arr.copy() if copy else arr
-
-    def __jax_array__(self) -> Any:
-        return self.value()
-
-    def __hash__(self) -> int:
-        raise TypeError(
-            f"{type(self).__name__} is unhashable: it compares elementwise like an array. "
-            "Use variable.ref() as a dict key or set member."
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        # Array methods and properties: v.sum(), v.reshape(...), v.T, v.astype(...).
-        missing = AttributeError(f"'ps.{type(self).__name__}' object has no attribute {name!r}")
-        if name.startswith("_"):
-            raise missing
-        try:
-            return getattr(self.value(), name)
-        except AttributeError:
-            raise missing from None
 
 
 # ------------------------------------------------------------------------------ Variable
@@ -235,7 +120,7 @@ class Reference:
         return f"<Reference to {self._var!r}>"
 
 
-class Variable(_ArrayOps):
+class Variable(ArrayOps):
     """A named, stateful array (see the module docstring for the contract)."""
 
     __slots__ = (
@@ -247,6 +132,7 @@ class Variable(_ArrayOps):
         "_is_string",
         "_is_key",
         "_arith",
+        "_partition",
         "__weakref__",
     )
 
@@ -259,6 +145,8 @@ class Variable(_ArrayOps):
         *,
         device: Any = None,
         sharding: Any = None,
+        shape: Any = None,
+        partition: Any = None,
         _full_name: str | None = None,
     ) -> None:
         if initial_value is _MISSING or initial_value is None:
@@ -277,8 +165,20 @@ class Variable(_ArrayOps):
             full_name = store.unique_name(base, reserve=False)
         else:  # get_variable and copies: the exact name
             full_name = _full_name
-        placed = placement(device, sharding)
-        value, owned = _initial_value(initial_value, dtype, full_name)
+        part = check_partition(partition, full_name, None)
+        if shape is not None:
+            initial_value = shaped(initial_value, shape, dtype, full_name)
+        if _abstract.creating() or isinstance(initial_value, jax.ShapeDtypeStruct):
+            struct, make = abstract_value(initial_value, dtype, full_name, part, device, sharding)
+            self._set_fields(
+                struct, not is_key_dtype(struct.dtype) if trainable is None else trainable, True
+            )
+            self._partition = part
+            self.__class__ = _Abstract
+            _abstract.remember(self, make)
+            self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
+            return
+        value, owned, placed = created(initial_value, dtype, full_name, part, device, sharding)
         traced = isinstance(value, Tracer)
         if not traced and not isinstance(value, np.ndarray) and placed is not None:
             value = place(value, placed, f"variable '{full_name}'")  # may share a buffer
@@ -286,20 +186,15 @@ class Variable(_ArrayOps):
             trainable = not is_key_dtype(value.dtype)
         self._set_fields(value, trainable, owned)
         self._name = full_name
-        if traced:  # bound in the ps.function trace; its array comes after the trace
-            if placed is not None:
-                raise ValueError(
-                    f"Variable '{full_name}': device=/sharding= with an initial value computed "
-                    "inside a ps.function is not supported; create it with a concrete or "
-                    "callable initial value, or reshard it after the first call."
-                )
-            _trace.create(self, value)
-            self._value = jax.ShapeDtypeStruct(value.shape, value.dtype)
+        self._partition = part
+        if traced:  # bound in the ps.function trace; its array comes after the trace, made
+            _trace.create(self, value)  # by ps.function in a program with this sharding
+            self._value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
     def _set_fields(self, value: Any, trainable: bool, owned: bool) -> None:
         self._value = value
-        _mark(self, owned)
+        ownership.mark(self, owned)
         self._trainable = bool(trainable)
         self._is_key = is_key_dtype(value.dtype)  # once: issubdtype costs ~1 us a call
         self._dtype = value.dtype if self._is_key else np.dtype(value.dtype)
@@ -315,7 +210,7 @@ class Variable(_ArrayOps):
         if current_trace() is not EVAL:
             return _trace.outside(self)
         with STATE_LOCK:  # a step's refcount check then counts this reader
-            VERSION[0] += 1
+            ownership.version += 1
             return self._value
 
     read_value = value
@@ -351,6 +246,17 @@ class Variable(_ArrayOps):
     @property
     def size(self) -> int:
         return int(np.prod(self._shape, dtype=np.int64))
+
+    @property
+    def partition(self) -> tuple[Any, ...] | None:
+        """The logical axis names given as ``partition=`` (one per dimension), or None."""
+        return getattr(self, "_partition", None)
+
+    @property
+    def is_abstract(self) -> bool:
+        """Whether the variable has a shape, dtype and sharding but no value yet
+        (created inside ``ps.abstract()``; restore or ``ps.initialize`` it)."""
+        return False
 
     @property
     def sharding(self) -> Any:
@@ -422,7 +328,7 @@ class Variable(_ArrayOps):
         new = self._coerce(value, "assign")
         if new.shape != self._shape:
             raise shape_error(self._name, self._shape, tuple(new.shape))
-        self._swap(new, owned=_fresh(value, new))
+        self._swap(new, owned=fresh(value, new))
         return self if read_value else None
 
     def assign_add(self, delta: Any, read_value: bool = True) -> Variable | None:
@@ -444,7 +350,7 @@ class Variable(_ArrayOps):
         else:
             self._check_arithmetic(how)
             d = self._coerce(delta, how, host=True)
-        if d.shape != self._shape and not _broadcasts(d.shape, self._shape):
+        if d.shape != self._shape and not broadcasts(d.shape, self._shape):
             raise shape_error(self._name, self._shape, tuple(d.shape))
         if _trace.depth and _trace.active():  # traced: plain jnp ops, no nested jit
             op = jnp.add if how == "add" else jnp.subtract
@@ -458,7 +364,7 @@ class Variable(_ArrayOps):
             if type(d) is not np.ndarray and d.committed:
                 d = self._colocated(d)
             # The result lands where the variable's array is: no placement check.
-            if sys.getrefcount(x) <= _OWN_REFS and id(self) not in UNOWNED:
+            if sys.getrefcount(x) <= _OWN_REFS and id(self) not in ownership.unowned:
                 new = donating(x, d)
             else:
                 new = fresh(x, d)
@@ -497,7 +403,7 @@ class Variable(_ArrayOps):
         A jax.Array (or tracer) stays one, without a weak type. Python and NumPy values
         become a jax.Array or, with ``host``, a private NumPy copy (for an update op, which
         moves it to the device itself, and more cheaply)."""
-        value = _unwrap(value)
+        value = unwrap(value)
         dst = self._dtype
         if self._is_string:
             arr = value if isinstance(value, np.ndarray) else np.asarray(value)
@@ -567,16 +473,7 @@ class Variable(_ArrayOps):
     def _write(self, new: Any, owned: bool = False) -> None:
         """The one write path of a variable's real array (callers checked dtype, shape and
         placement). ``owned``: nobody outside this variable holds ``new``'s buffer."""
-        with STATE_LOCK:
-            self._value = new
-            if owned:
-                if UNOWNED:
-                    UNOWNED.discard(id(self))
-            else:
-                UNOWNED.add(id(self))
-            VERSION[0] += 1
-            if CACHED[0] is not None:
-                release_cached()
+        ownership.write(self, new, owned)
 
 
 class _Detached(Variable):
@@ -598,194 +495,93 @@ class _Detached(Variable):
         )
 
 
-def private_copy(x: Any) -> Any:
-    """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding (so a step fed
-    with it sees the same input signature and does not compile again)."""
-    return jax.device_put(x, x.sharding, may_alias=False)
+class _Abstract(Variable):
+    """A variable with a shape, dtype and sharding but no value (``ps.abstract()``): every
+    use raises ``_abstract.error``; ``_write`` (through ``set_initial_value``) gives it its
+    value and turns it into a plain ``Variable``."""
 
+    __slots__ = ()
 
-def _mark(var: Variable, owned: bool) -> None:
-    if owned:
-        UNOWNED.discard(id(var))
-    else:
-        UNOWNED.add(id(var))
-
-
-def write_all(variables: list[Variable], ids: list[int], values: list[Any]) -> None:
-    """``_write`` for many variables at once, each new value owned (the outputs of a
-    compiled step), for ``ps.function``'s per-call path. Hold STATE_LOCK."""
-    # A plain loop: STORE_ATTR on a slot is cached; 26 variables take 0.89 us, against
-    # 1.68 us for deque(map(setattr, ...)) (measured here, 2026-11-22).
-    for var, value in zip(variables, values):
-        var._value = value
-    if UNOWNED:
-        UNOWNED.difference_update(ids)
-    VERSION[0] += 1
-    release_cached()
-
-
-def set_initial_value(var: Variable, value: Any) -> None:
-    """Give ``var`` the value ``value`` as its state, not as a step of a compiled program:
-    for a variable created in a ``ps.function`` trace whose initial value is still being
-    computed, ``value`` replaces that initial value when the trace completes; otherwise it
-    is written now (also while a trace is active). Used by deferred restoration."""
-    with jax.ensure_compile_time_eval(), _trace.no_frames():
-        new = var._coerce(value, "restore")
-        if isinstance(new, np.ndarray) and not var._is_string:
-            new = jnp.asarray(new)
-    if tuple(new.shape) != var.shape:
-        raise shape_error(var.name, var.shape, tuple(new.shape))
-    if isinstance(var._value, jax.ShapeDtypeStruct):
-        INITIAL_OVERRIDES[id(var)] = new
-    else:
-        var._write(new, owned=_fresh(value, new))
-
-
-def _copy_name(name: str) -> str:
-    return default_store().unique_name(name, reserve=False)
-
-
-def _fresh(given: Any, new: Any) -> bool:
-    """Whether ``new`` (what ``_coerce`` made of ``given``) is a buffer nobody else holds."""
-    given = _unwrap(given)
-    if isinstance(given, jax.Array):
-        return bool(new.dtype != given.dtype)  # a cast makes a new buffer; else it is theirs
-    return True
-
-
-def _broadcasts(src: tuple, dst: tuple) -> bool:
-    try:
-        return np.broadcast_shapes(src, dst) == tuple(dst)
-    except ValueError:
-        return False
-
-
-def _initial_value(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, bool]:
-    """The first value of a variable named ``full_name`` and whether we own its buffer: a
-    concrete array, or (in a ``ps.function`` trace) a tracer."""
-    want = None if dtype is None else canonical_dtype(dtype, f"variable '{full_name}'")
-    if callable(initial_value) and not isinstance(initial_value, (Variable, jax.Array)):
-        base = _trace.creation_trace()
-        with naming(full_name), in_trace(base) if base is not None else nullcontext():
-            initial_value = initial_value()
-    if isinstance(initial_value, (Variable, VariableSlice)):
-        source = initial_value.value()
-        if isinstance(source, np.ndarray):  # strings: host data
-            return _strings(np.array(source, copy=True), full_name), True
-        copied = jnp.array(source, copy=True)  # never share state
-        return _cast(copied, want, full_name), True
-    value = initial_value
-    if want is not None and want == STRING:
-        return to_strings(np.asarray(value)), True
-    if isinstance(value, jax.Array):  # also tracers
-        if is_key_dtype(value.dtype):
-            if want is not None:
-                raise TypeError(f"Variable '{full_name}': a PRNG key array takes no dtype=.")
-            return value, False
-        return _cast(value, want, full_name), False
-    if isinstance(value, (np.ndarray, np.generic)):
-        if value.dtype.kind in "USOT":
-            return _strings(np.asarray(value), full_name), True
-        return strong(jnp.asarray(np.array(value, copy=True), dtype=want)), True
-    try:
-        arr = tf_infer(value)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and "int32" in str(e):
-            raise
-        arr = None
-    if arr is None or arr.dtype.kind == "O" and not is_text(arr):
-        raise TypeError(
-            f"Cannot make variable '{full_name}' from a {type(value).__name__}: initial_value "
-            "must be array-like (a number, a nested list of numbers, a NumPy or JAX array, "
-            "strings), another Variable, or a zero-argument callable returning one."
-        )
-    if arr.dtype == STRING or arr.dtype.kind == "O":
-        return _strings(arr, full_name), True
-    return strong(jnp.asarray(arr, dtype=want)), True
-
-
-def _strings(arr: np.ndarray, full_name: str) -> np.ndarray:
-    if arr.dtype.kind == "O" and not is_text(arr):
-        raise TypeError(
-            f"Cannot make variable '{full_name}' from an object array: only strings make "
-            "host-side string variables."
-        )
-    return to_strings(arr)
-
-
-def _cast(value: Any, want: Any, full_name: str) -> Any:
-    if np.dtype(value.dtype).kind in "USOT":
-        return to_strings(np.asarray(value))
-    return strong(jnp.asarray(value, dtype=want))
-
-
-# ------------------------------------------------------------------------- slices
-
-
-class VariableSlice(_ArrayOps):
-    """``v[index]``: reads like an array; ``assign``/``assign_add``/``assign_sub`` update
-    that part of ``v`` (a value that does not fit the slice raises ValueError)."""
-
-    __slots__ = ("_var", "_index")
-
-    def __init__(self, var: Variable, index: Any) -> None:
-        self._var = var
-        self._index = _unwrap(index)
+    @property
+    def is_abstract(self) -> bool:
+        return True
 
     def value(self) -> Any:
-        return self._var.value()[self._index]
+        raise _abstract.error(self._name, "read")
 
     read_value = value
 
     def numpy(self) -> np.ndarray:
-        return np.array(self.value(), copy=True)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The slice's shape; IndexError for an index out of range (JAX would clamp it)."""
-        probe = np.broadcast_to(np.empty((), dtype=bool), self._var.shape)  # no memory
-        try:
-            return probe[self._index].shape
-        except IndexError as e:
-            raise IndexError(
-                f"Index {self._index!r} is out of range for variable '{self._var.name}' of "
-                f"shape {self._var.shape}: {e}."
-            ) from None
-        except Exception:  # e.g. a traced index: only JAX knows
-            return tuple(self.value().shape)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.value()[_unwrap(index)]
-
-    def __repr__(self) -> str:
-        return f"<ps.Variable '{self._var.name}'[{self._index!r}] value={self.value()!r}>"
+        raise _abstract.error(self._name, "read")
 
     def assign(self, value: Any, read_value: bool = True) -> Variable | None:
-        return self._scatter(value, "set", exact=True, read_value=read_value)
+        raise _abstract.error(self._name, "assigned")
 
     def assign_add(self, delta: Any, read_value: bool = True) -> Variable | None:
-        return self._scatter(delta, "add", exact=False, read_value=read_value)
+        raise _abstract.error(self._name, "assigned")
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Variable | None:
-        return self._scatter(delta, "subtract", exact=False, read_value=read_value)
+    assign_sub = assign_add
 
-    def _scatter(self, value: Any, how: str, exact: bool, read_value: bool) -> Variable | None:
-        var = self._var
-        if var._is_string:
-            raise TypeError(f"Sliced assigns are not supported on string variable '{var.name}'.")
-        if how != "set":
-            var._check_arithmetic(how)
-        x = var._coerce(value, "assign" if how == "set" else how, host=True)
-        want = self.shape
-        fits = x.shape == want if exact else _broadcasts(tuple(x.shape), want)
-        if not fits:
-            raise shape_error(f"{var.name}[{self._index!r}]", want, tuple(x.shape), "slice")
+    def _coerce(self, value: Any, op: str, *, host: bool = False) -> Any:
+        raise _abstract.error(self._name, "assigned")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or not hasattr(jax.Array, name):
+            raise AttributeError(f"'ps.Variable' object has no attribute {name!r}")
+        raise _abstract.error(self._name, f"used (.{name})")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        raise _abstract.error(self._name, "copied")
+
+    __copy__ = __deepcopy__
+
+    def __repr__(self) -> str:
+        where = "" if self._value.sharding is None else f" sharding={self._value.sharding}"
+        return (
+            f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()} "
+            f"abstract{where}>"
+        )
+
+    def _write(self, new: Any, owned: bool = False) -> None:
+        want = self._value.sharding
+        if want is not None and getattr(new, "sharding", want) != want:
+            new = jax.device_put(new, want)
         with STATE_LOCK:
-            x = var._colocated(x)
-            ref = var.value().at[self._index]
-            new = ref.set(x) if how == "set" else (ref.add(x) if how == "add" else ref.add(-x))
-            var._swap(new)
-        return var if read_value else None
+            self.__class__ = Variable  # type: ignore[assignment]
+            _abstract.forget(self)
+            Variable._write(self, new, owned)
+
+
+def set_initial_value(var: Variable, value: Any, *, owned: bool | None = None) -> None:
+    """Give ``var`` the value ``value`` as its state, not as a step of a compiled program:
+    for a variable created in a ``ps.function`` trace whose initial value is still being
+    computed, ``value`` replaces that initial value when the trace completes; otherwise it
+    is written now (also while a trace is active). Used by deferred restoration.
+
+    The entry point that makes an ABSTRACT variable concrete (checkpoint restores,
+    ``ps.initialize``): ``value`` (a ``jax.Array``, ideally already on ``var.sharding``, or
+    a NumPy array, then put straight onto ``var.sharding``: each device receives only its
+    shard) is checked for dtype (lossless conversions only) and shape, placed on the
+    variable's sharding, and becomes its value; ``var.is_abstract`` is then False.
+    ``owned=True`` says nobody else holds ``value``'s buffer (default: worked out)."""
+    abstract = isinstance(var, _Abstract)
+    coerce = Variable._coerce if abstract else type(var)._coerce
+    with jax.ensure_compile_time_eval(), _trace.no_frames():
+        new = coerce(var, value, "restore")
+        if isinstance(new, np.ndarray) and not var._is_string:
+            new = jax.device_put(new, var.sharding) if abstract else jnp.asarray(new)
+    if tuple(new.shape) != var.shape:
+        raise shape_error(var.name, var.shape, tuple(new.shape))
+    if owned is None:
+        owned = fresh(value, new)
+    if not abstract and isinstance(var._value, jax.ShapeDtypeStruct):
+        ownership.initial_overrides[id(var)] = new
+    else:
+        var._write(new, owned=owned)
+
+
+def _copy_name(name: str) -> str:
+    return default_store().unique_name(name, reserve=False)
 
 
 # ----------------------------------------------------------------------- pytree
@@ -806,10 +602,6 @@ def _unflatten(aux: tuple[str, bool], children: Any) -> Any:
     return self
 
 
-def _flatten_slice(s: VariableSlice) -> tuple[tuple[Any], None]:
-    return (s.value(),), None
-
-
 jax.tree_util.register_pytree_node(Variable, _flatten, _unflatten)
 jax.tree_util.register_pytree_node(_Detached, _flatten, _unflatten)
-jax.tree_util.register_pytree_node(VariableSlice, _flatten_slice, lambda _, c: c[0])
+jax.tree_util.register_pytree_node(_Abstract, _flatten, _unflatten)

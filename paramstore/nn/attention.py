@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore import scope as _scope
+from paramstore._layout import Partition
 from paramstore.nn._base import Layer, Shape, as_float, initializer
 from paramstore.variable import Variable
 
@@ -32,6 +33,9 @@ class MultiHeadAttention(Layer):
     ``(heads, key_dim)``, likewise ``key/*`` and ``value/*`` (``value_dim``, default
     ``key_dim``), ``attention_output/kernel`` ``(heads, value_dim, dq)`` and
     ``attention_output/bias`` ``(dq,)``; glorot_uniform kernels, zero biases.
+    ``kernel_partition``/``bias_partition`` are the ``partition=`` of the query, key and
+    value kernels (rank 3) and biases (rank 2); ``output_kernel_partition`` and
+    ``output_bias_partition`` those of ``attention_output``.
     """
 
     def __init__(
@@ -42,8 +46,17 @@ class MultiHeadAttention(Layer):
         use_bias: bool = True,
         kernel_initializer: Any = None,
         name: str | None = None,
+        *,
+        kernel_partition: Partition | None = None,
+        bias_partition: Partition | None = None,
+        output_kernel_partition: Partition | None = None,
+        output_bias_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partitions = {
+            "": (kernel_partition, bias_partition),
+            "attention_output": (output_kernel_partition, output_bias_partition),
+        }
         for what, n in (("num_heads", num_heads), ("key_dim", key_dim), ("value_dim", value_dim)):
             if n is None and what == "value_dim":
                 continue
@@ -60,10 +73,15 @@ class MultiHeadAttention(Layer):
 
     def _dense(self, scope: str, shape: tuple[int, ...], bias: tuple[int, ...]) -> None:
         k_init = self._kernel_init
+        k_part, b_part = self._partitions.get(scope, self._partitions[""])
         with _scope.name_scope(scope):
-            self.weights[f"{scope}/kernel"] = Variable(lambda: k_init(shape), name="kernel")
+            self.weights[f"{scope}/kernel"] = Variable(
+                lambda: k_init(shape), name="kernel", partition=k_part
+            )
             if self.use_bias:
-                self.weights[f"{scope}/bias"] = Variable(lambda: _init.zeros()(bias), name="bias")
+                self.weights[f"{scope}/bias"] = Variable(
+                    lambda: _init.zeros()(bias), name="bias", partition=b_part
+                )
 
     def build(
         self, query_shape: Shape, value_shape: Shape | None = None, key_shape: Shape | None = None

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 
 from paramstore import initializers as _init
+from paramstore._layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,
@@ -82,6 +83,9 @@ class _Conv(Layer):
         kernel_initializer: Any = None,
         bias_initializer: Any = None,
         name: str | None = None,
+        *,
+        kernel_partition: Partition | None = None,
+        bias_partition: Partition | None = None,
     ) -> None:
         kind = type(self).__name__
         super().__init__(name=name or keras_name(kind))
@@ -94,6 +98,7 @@ class _Conv(Layer):
         self.padding = padding_of(padding, kind)
         self.activation = resolve_activation(activation, kind)
         self.use_bias = bool(use_bias)
+        self._partitions = (kernel_partition, bias_partition)
         self._kernel_init = initializer(
             kernel_initializer, _init.glorot_uniform(), kind, "kernel_initializer"
         )
@@ -112,8 +117,13 @@ class _Conv(Layer):
                 "channel (last) axis must be known."
             )
         kshape = (*self.kernel_size, input_shape[-1], filters)
-        self.kernel = Variable(lambda: k_init(kshape), name="kernel")
-        self.bias = Variable(lambda: b_init((filters,)), name="bias") if self.use_bias else None
+        k_part, b_part = self._partitions
+        self.kernel = Variable(lambda: k_init(kshape), name="kernel", partition=k_part)
+        self.bias = (
+            Variable(lambda: b_init((filters,)), name="bias", partition=b_part)
+            if self.use_bias
+            else None
+        )
 
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x, self)
@@ -136,7 +146,8 @@ class Conv2D(_Conv):
     """``activation(conv(x, kernel) + bias)`` for ``x`` of shape ``(batch, height, width,
     channels)``; ``kernel`` ``(kh, kw, channels, filters)``, ``bias`` ``(filters,)``
     (glorot_uniform and zeros). ``padding`` is ``"valid"`` or ``"same"``; with ``"valid"``
-    a kernel larger than the input is an error (Keras would return an empty array)."""
+    a kernel larger than the input is an error (Keras would return an empty array).
+    ``kernel_partition``/``bias_partition``: the variables' ``partition=``."""
 
     spatial = 2
 

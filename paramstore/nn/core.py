@@ -14,6 +14,7 @@ from paramstore import functional as _functional
 from paramstore import initializers as _init
 from paramstore import random as _random
 from paramstore._jax import Tracer
+from paramstore._layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,
@@ -34,6 +35,8 @@ class Dense(Layer):
     ``kernel`` has shape ``(in, units)`` (``in`` is the last axis of the first input),
     ``bias`` ``(units,)``; defaults glorot_uniform and zeros. ``activation`` is a callable
     or a Keras name (``"relu"``). Integer inputs are cast to float32; complex ones refused.
+    ``kernel_partition`` and ``bias_partition`` are the variables' ``partition=`` (logical
+    axis names, e.g. ``("embed", "mlp")``; see ``ps.sharding.axis_rules``).
     """
 
     variable_names = ("kernel", "bias")
@@ -48,8 +51,12 @@ class Dense(Layer):
         kernel_initializer: Any = None,
         bias_initializer: Any = None,
         name: str | None = None,
+        *,
+        kernel_partition: Partition | None = None,
+        bias_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partitions = (kernel_partition, bias_partition)
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"Dense: units must be a positive int, got {units!r}.")
         self.units = units
@@ -62,9 +69,13 @@ class Dense(Layer):
 
     def build(self, input_shape: Shape) -> None:
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
-        n_in = features(self, input_shape)
-        self.kernel = Variable(lambda: k_init((n_in, units)), name="kernel")
-        self.bias = Variable(lambda: b_init((units,)), name="bias") if self.use_bias else None
+        n_in, (k_part, b_part) = features(self, input_shape), self._partitions
+        self.kernel = Variable(lambda: k_init((n_in, units)), name="kernel", partition=k_part)
+        self.bias = (
+            Variable(lambda: b_init((units,)), name="bias", partition=b_part)
+            if self.use_bias
+            else None
+        )
 
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x, self)
@@ -79,7 +90,8 @@ class Embedding(Layer):
     """A lookup table ``embeddings`` ``(input_dim, output_dim)``, as ``keras.layers.Embedding``
     (initialized uniformly in [-0.05, 0.05]). Inputs must be integer indices; the output has
     shape ``x.shape + (output_dim,)``. An id outside ``[0, input_dim)`` raises eagerly; in a
-    trace (where ids are not known) it gives a row of NaN."""
+    trace (where ids are not known) it gives a row of NaN. ``embeddings_partition`` is the
+    table's ``partition=`` (e.g. ``("vocab", "embed")``)."""
 
     variable_names = ("embeddings",)
     embeddings: Variable
@@ -90,8 +102,11 @@ class Embedding(Layer):
         output_dim: int,
         embeddings_initializer: Any = None,
         name: str | None = None,
+        *,
+        embeddings_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partition = embeddings_partition
         for what, n in (("input_dim", input_dim), ("output_dim", output_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"Embedding: {what} must be a positive int, got {n!r}.")
@@ -105,7 +120,9 @@ class Embedding(Layer):
 
     def build(self, input_shape: Shape) -> None:
         init, shape = self._init, (self.input_dim, self.output_dim)
-        self.embeddings = Variable(lambda: init(shape), name="embeddings")
+        self.embeddings = Variable(
+            lambda: init(shape), name="embeddings", partition=self._partition
+        )
 
     def check_shape(self, *shapes: Shape | None) -> None:
         """Any shape of ids is fine (a scalar id too)."""

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
+from paramstore._layout import Partition
 from paramstore.nn._base import Layer, Shape, as_float, features
 from paramstore.variable import Variable
 
@@ -23,20 +24,29 @@ def _check_epsilon(epsilon: Any, layer: str) -> float:
 class LayerNormalization(Layer):
     """``(x - mean) / sqrt(var + epsilon) * gamma + beta`` with the mean and (biased)
     variance of each example's last axis, as ``keras.layers.LayerNormalization``;
-    ``gamma`` (ones) and ``beta`` (zeros) have shape ``(features,)``."""
+    ``gamma`` (ones) and ``beta`` (zeros) have shape ``(features,)``; ``gamma_partition`` and
+    ``beta_partition`` are their ``partition=``."""
 
     variable_names = ("gamma", "beta")
     gamma: Variable
     beta: Variable
 
-    def __init__(self, epsilon: float = 1e-3, name: str | None = None) -> None:
+    def __init__(
+        self,
+        epsilon: float = 1e-3,
+        name: str | None = None,
+        *,
+        gamma_partition: Partition | None = None,
+        beta_partition: Partition | None = None,
+    ) -> None:
         super().__init__(name=name)
+        self._partitions = (gamma_partition, beta_partition)
         self.epsilon = _check_epsilon(epsilon, "LayerNormalization")
 
     def build(self, input_shape: Shape) -> None:
-        n = features(self, input_shape)
-        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma")
-        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta")
+        n, (g_part, b_part) = features(self, input_shape), self._partitions
+        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma", partition=g_part)
+        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta", partition=b_part)
 
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x, self)

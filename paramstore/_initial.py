@@ -1,0 +1,101 @@
+"""A variable's initial value: what ``ps.Variable(initial_value, dtype=...)`` accepts and how
+it becomes the variable's first array (see ``variable``'s contract)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paramstore import _trace
+from paramstore._array_ops import ArrayOps, unwrap
+from paramstore._dtypes import (
+    STRING,
+    canonical_dtype,
+    is_key_dtype,
+    is_text,
+    strong,
+    tf_infer,
+    to_strings,
+)
+from paramstore._jax import in_trace
+from paramstore._seed import naming
+
+__all__ = ["parse_initial", "fresh", "broadcasts"]
+
+
+def fresh(given: Any, new: Any) -> bool:
+    """Whether ``new`` (what ``_coerce`` made of ``given``) is a buffer nobody else holds."""
+    given = unwrap(given)
+    if isinstance(given, jax.Array):
+        return bool(new.dtype != given.dtype)  # a cast makes a new buffer; else it is theirs
+    return True
+
+
+def broadcasts(src: tuple, dst: tuple) -> bool:
+    try:
+        return np.broadcast_shapes(src, dst) == tuple(dst)
+    except ValueError:
+        return False
+
+
+def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, bool]:
+    """The first value of a variable named ``full_name`` and whether we own its buffer: a
+    concrete array, or (in a ``ps.function`` trace) a tracer."""
+    want = None if dtype is None else canonical_dtype(dtype, f"variable '{full_name}'")
+    if callable(initial_value) and not isinstance(initial_value, (ArrayOps, jax.Array)):
+        base = _trace.creation_trace()
+        with naming(full_name), in_trace(base) if base is not None else nullcontext():
+            initial_value = initial_value()
+    if isinstance(initial_value, ArrayOps):
+        source = initial_value.value()
+        if isinstance(source, np.ndarray):  # strings: host data
+            return _strings(np.array(source, copy=True), full_name), True
+        copied = jnp.array(source, copy=True)  # never share state
+        return _cast(copied, want, full_name), True
+    value = initial_value
+    if want is not None and want == STRING:
+        return to_strings(np.asarray(value)), True
+    if isinstance(value, jax.Array):  # also tracers
+        if is_key_dtype(value.dtype):
+            if want is not None:
+                raise TypeError(f"Variable '{full_name}': a PRNG key array takes no dtype=.")
+            return value, False
+        return _cast(value, want, full_name), False
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.dtype.kind in "USOT":
+            return _strings(np.asarray(value), full_name), True
+        return strong(jnp.asarray(np.array(value, copy=True), dtype=want)), True
+    try:
+        arr = tf_infer(value)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ValueError) and "int32" in str(e):
+            raise
+        arr = None
+    if arr is None or arr.dtype.kind == "O" and not is_text(arr):
+        raise TypeError(
+            f"Cannot make variable '{full_name}' from a {type(value).__name__}: initial_value "
+            "must be array-like (a number, a nested list of numbers, a NumPy or JAX array, "
+            "strings), another Variable, or a zero-argument callable returning one."
+        )
+    if arr.dtype == STRING or arr.dtype.kind == "O":
+        return _strings(arr, full_name), True
+    return strong(jnp.asarray(arr, dtype=want)), True
+
+
+def _strings(arr: np.ndarray, full_name: str) -> np.ndarray:
+    if arr.dtype.kind == "O" and not is_text(arr):
+        raise TypeError(
+            f"Cannot make variable '{full_name}' from an object array: only strings make "
+            "host-side string variables."
+        )
+    return to_strings(arr)
+
+
+def _cast(value: Any, want: Any, full_name: str) -> Any:
+    if np.dtype(value.dtype).kind in "USOT":
+        return to_strings(np.asarray(value))
+    return strong(jnp.asarray(value, dtype=want))
