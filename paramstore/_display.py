@@ -1,6 +1,6 @@
 """``ps.display(obj)``: an interactive view of a Module, layer, metric or Variable.
 
-Contract (API.md, "Layers", display):
+Contract (docs/api.md, "Layers", display):
 
 * With the optional ``treescope`` package (``pip install paramstore[display]``),
   ``ps.display(obj)`` renders ``obj`` with treescope: a Module as a tree of its attributes

@@ -1,6 +1,6 @@
 """HTML for Jupyter: ``Variable._repr_html_`` and ``Module._repr_html_`` (and every layer's).
 
-Contract (API.md, "Layers", display): a Variable renders as a one-row table (name, shape,
+Contract (docs/api.md, "Layers", display): a Variable renders as a one-row table (name, shape,
 dtype, parameter count, bytes, trainable); a Module as a table of its own variables
 (attribute path, full name, shape, dtype, parameters, bytes, trainable), its submodules
 nested below it as collapsible sections, each with its totals; an unbuilt layer says

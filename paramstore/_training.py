@@ -1,6 +1,6 @@
 """``training=`` travelling down the call stack, as in Keras 3.
 
-Contract (API.md, "Layers"): a Module or layer whose ``__call__`` takes a ``training``
+Contract (docs/api.md, "Layers"): a Module or layer whose ``__call__`` takes a ``training``
 parameter and is called with ``training=True``/``False`` makes that the value for every
 such call made inside it (in the same thread) that is not given ``training`` itself (or
 is given ``None``). The outermost explicit value wins only until an inner call passes its

@@ -1,6 +1,6 @@
 """``ps.metrics``: Keras 3's stateful metrics, their state in non-trainable Variables.
 
-Contract (API.md, "Metrics"):
+Contract (docs/api.md, "Metrics"):
 
 * ``Mean``, ``Sum``, ``Accuracy``, ``BinaryAccuracy(threshold=0.5)``, ``CategoricalAccuracy``,
   ``SparseCategoricalAccuracy``, ``MeanSquaredError``, ``MeanAbsoluteError``, each a

@@ -1,6 +1,6 @@
 """The base of every ``ps.nn`` layer: check the input, build once, then call.
 
-Contract (API.md, "Layers"):
+Contract (docs/api.md, "Layers"):
 
 * A layer is a ``ps.Module``. Its variables do not exist until it is built: by its first
   call (eagerly, or during the first trace of a ``ps.function``) or by
@@ -97,6 +97,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "softsign": jax.nn.soft_sign,
     "exponential": jnp.exp,
 }
+"""Keras 3's activation names (``keras.activations``) with Keras' defaults, as callables."""
 
 
 def resolve_activation(fn: str | Activation | None, layer: str) -> Activation | None:
