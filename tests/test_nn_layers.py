@@ -3,6 +3,7 @@ layers, builds under threads, training= propagation, and the bad inputs of the l
 
 from __future__ import annotations
 
+import importlib
 import re
 import threading
 
@@ -89,12 +90,10 @@ def test_every_activation_name_matches_keras(keras):
 
 
 def test_activation_names_cover_keras_where_they_need_no_arguments():
-    keras = pytest.importorskip("keras")
-    from keras.src.activations import ALL_OBJECTS_DICT  # noqa: PLC0415 (test-only, private)
-
-    missing = set(ALL_OBJECTS_DICT) - set(ps.nn.ACTIVATIONS) - {"threshold", "sparsemax"}
+    pytest.importorskip("keras")
+    names = importlib.import_module("keras.src.activations").ALL_OBJECTS_DICT  # Keras' table
+    missing = set(names) - set(ps.nn.ACTIVATIONS) - {"threshold", "sparsemax"}
     assert not missing, missing
-    assert keras  # the import above needs Keras
 
 
 def test_gradients_flow_through_the_new_layers():
@@ -354,3 +353,21 @@ def test_wrong_inputs_to_the_new_layers(make, shape, match):
 def test_bad_constructor_arguments_of_the_new_layers(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+def test_sequential_build_under_abstract_creates_abstract_variables():
+    model = ps.nn.Sequential([ps.nn.Dense(16), ps.nn.LayerNormalization(), ps.nn.Dense(8)])
+    with ps.abstract():
+        model.build((None, 8))
+    assert model.built and all(v.is_abstract for v in model.variables)
+    assert model.layers[2].kernel.shape == (16, 8)
+
+
+@pytest.mark.parametrize("padding,strides", [("same", 2), ("valid", 2), ("valid", 1)])
+def test_conv_output_shape_without_running_matches_the_call(padding, strides):
+    for layer, shape in (
+        (ps.nn.Conv2D(4, 3, strides=strides, padding=padding), (1, 7, 8, 2)),
+        (ps.nn.Conv1D(4, 3, strides=strides, padding=padding), (1, 9, 2)),
+    ):
+        got = layer(jnp.ones(shape)).shape
+        assert layer.compute_output_shape((None, *shape[1:])) == (None, *got[1:])

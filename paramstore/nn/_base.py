@@ -244,6 +244,11 @@ class Layer(Module):
     def build(self, input_shape: Shape) -> None:  # wrapped below
         """Create the variables for inputs of ``input_shape`` (as the first call would)."""
 
+    def compute_output_shape(self, input_shape: Shape) -> Shape | None:
+        """The output shape for inputs of ``input_shape`` when known without running the
+        layer (None: ``Sequential.build`` finds it with ``jax.eval_shape``)."""
+        return None
+
     def check_shape(self, *shapes: Shape | None) -> None:
         """Raise if an input of ``shape`` is wrong for this layer (before any build)."""
         shape = shapes[0] if shapes else None

@@ -109,6 +109,17 @@ class _Conv(Layer):
         assert shape is not None
         check_windows(self, shape, self.spatial, self.kernel_size, self.padding, "kernel_size")
 
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        out: list[int | None] = [input_shape[0]]
+        for n, k, st in zip(input_shape[1:-1], self.kernel_size, self.strides):
+            if n is None:
+                out.append(None)
+            elif self.padding == "same":
+                out.append(-(-n // st))
+            else:
+                out.append((n - k) // st + 1)
+        return (*out, self.filters)
+
     def build(self, input_shape: Shape) -> None:
         k_init, b_init, filters = self._kernel_init, self._bias_init, self.filters
         if input_shape[-1] is None:

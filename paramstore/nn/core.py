@@ -77,6 +77,9 @@ class Dense(Layer):
             else None
         )
 
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        return (*input_shape[:-1], self.units)
+
     def __call__(self, x: Any) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
@@ -245,6 +248,10 @@ class Sequential(Layer):
 
 def _output_shape(seq: Sequential, i: int, layer: Any, shape: Shape) -> Shape:
     """The output shape of ``layer`` (built) for inputs of ``shape`` (None: any size)."""
+    if isinstance(layer, Layer):
+        known = layer.compute_output_shape(shape)
+        if known is not None:
+            return known
     if any(d is None for d in shape[1:]):
         raise ValueError(
             f"Sequential '{seq.scope_name}'.build needs every axis but the first known, got "
@@ -256,7 +263,9 @@ def _output_shape(seq: Sequential, i: int, layer: Any, shape: Shape) -> Shape:
     try:
         if variables:  # read the variables as inputs, not as baked constants
             fn = _functional.pure(layer, variables)
-            out, _ = jax.eval_shape(fn, _functional.state(variables), spec)
+            # Shapes only, never values: abstract variables (ps.abstract) build too.
+            values = {v.name: jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables}
+            out, _ = jax.eval_shape(fn, values, spec)
         else:
             out = jax.eval_shape(layer, spec)
     except (TypeError, ValueError) as e:

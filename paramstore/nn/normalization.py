@@ -43,6 +43,9 @@ class LayerNormalization(Layer):
         self._partitions = (gamma_partition, beta_partition)
         self.epsilon = _check_epsilon(epsilon, "LayerNormalization")
 
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        return input_shape
+
     def build(self, input_shape: Shape) -> None:
         n, (g_part, b_part) = features(self, input_shape), self._partitions
         self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma", partition=g_part)
@@ -84,6 +87,9 @@ class BatchNormalization(Layer):
             raise ValueError(f"BatchNormalization: momentum must be in [0, 1], got {momentum!r}.")
         self.momentum = float(momentum)
         self.epsilon = _check_epsilon(epsilon, "BatchNormalization")
+
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        return input_shape
 
     def build(self, input_shape: Shape) -> None:
         n = features(self, input_shape)
