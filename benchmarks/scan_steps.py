@@ -11,7 +11,8 @@ decides the advice in docs/guides/performance.md. Two models, the same 42 steps 
   dispatch.
 
 Prints, for each model, the median time of an epoch both ways and the ratio
-scan / separate. ``--repeats N`` (default 5).
+scan / separate; then, for the CNN, the same for the forward pass alone and for its gradient
+alone (no optimizer), which shows where the time goes. ``--repeats N`` (default 5).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 STEPS, BATCH = 42, 32
@@ -102,6 +104,37 @@ def measure(make: Callable[..., Any], repeats: int) -> tuple[float, float]:
     return statistics.median(separate), statistics.median(scanned)
 
 
+def measure_part(make: Callable[..., Any], repeats: int, part: str) -> tuple[float, float]:
+    """The same comparison for the forward pass alone or its gradient alone (no optimizer):
+    which part of the step makes the scanned program slow."""
+    key = jax.random.key(0)
+    params, apply, shape = make(key)
+
+    def forward(p: Any, x: jax.Array) -> jax.Array:
+        return apply(p, x).sum()
+
+    fn = forward if part == "forward" else jax.grad(forward)
+    xs = jax.random.normal(key, (STEPS, BATCH, *shape))
+
+    def body(c: Any, x: jax.Array) -> tuple[Any, None]:
+        return jax.tree.map(jnp.add, c, fn(params, x)), None
+
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, params, xs[0]))
+    one = jax.jit(fn)
+    fused = jax.jit(lambda xs: jax.lax.scan(body, zero, xs)[0])
+    jax.block_until_ready(one(params, xs[0]))
+    jax.block_until_ready(fused(xs))
+    separate, scanned = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready([one(params, xs[i]) for i in range(STEPS)])
+        separate.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(fused(xs))
+        scanned.append(time.perf_counter() - t)
+    return statistics.median(separate), statistics.median(scanned)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -111,7 +144,10 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, make in (("conv", conv_model), ("mlp", mlp_model)):
         a, b = measure(make, args.repeats)
-        print(f"| {name} | {a:.3f} | {b:.3f} | {b / a:.2f}x |")
+        print(f"| {name}: training step | {a:.3f} | {b:.3f} | {b / a:.2f}x |")
+    for part in ("forward", "gradient"):
+        a, b = measure_part(conv_model, args.repeats, part)
+        print(f"| conv: {part} only | {a:.3f} | {b:.3f} | {b / a:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from paramstore.functional import (
 from paramstore.module import Module
 from paramstore.object_checkpoint import Checkpoint
 from paramstore.optimizer import Optimizer
+from paramstore.remat import remat
 from paramstore.scope import (
     AUTO_REUSE,
     VariableScope,
@@ -65,6 +66,7 @@ __all__ = [
     "non_trainable",
     "pure",
     "random",
+    "remat",
     "sharding",
     "state",
     "summary",

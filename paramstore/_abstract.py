@@ -1,6 +1,6 @@
 """Abstract variables and sharded initialization: shapes first, arrays only where they live.
 
-What variable creation consults (so it sits below ``variable``). Contract (API.md, "Models
+What variable creation consults (so it sits below ``variable``). Contract (docs/api.md, "Models
 larger than one device"):
 
 * ``with abstract():`` variables created inside get their shape, dtype and sharding only:
@@ -36,6 +36,7 @@ __all__ = [
     "creating",
     "error",
     "shape_of",
+    "trace_shape",
     "run_sharded",
     "init_program",
     "remember",
@@ -89,11 +90,16 @@ def spread(sharding: Sharding | None) -> bool:
 def shape_of(make: Make) -> jax.ShapeDtypeStruct | None:
     """What ``make()`` would return, traced abstractly; None when it is not one array or
     cannot be traced on its own (the caller then runs it eagerly)."""
+    return trace_shape(make)[0]
+
+
+def trace_shape(make: Make) -> tuple[jax.ShapeDtypeStruct | None, Exception | None]:
+    """``shape_of``, and the exception that stopped the trace (None if it did not fail)."""
     try:
         out = jax.eval_shape(make)
-    except Exception:  # reads a variable, advances a generator, strings ...: run eagerly
-        return None
-    return out if isinstance(out, jax.ShapeDtypeStruct) else None
+    except Exception as e:  # reads a variable, advances a generator, strings ...
+        return None, e
+    return (out if isinstance(out, jax.ShapeDtypeStruct) else None), None
 
 
 def init_program(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> Any:

@@ -1,7 +1,7 @@
 """Where a new variable lives, decided by its name: ``LayoutMap``, partitions, axis rules.
 
 The part of ``paramstore.sharding`` that variable creation consults (so it sits below
-``variable``); ``paramstore.sharding`` re-exports it. Contract (API.md, "Models larger
+``variable``); ``paramstore.sharding`` re-exports it. Contract (docs/api.md, "Models larger
 than one device"):
 
 * ``LayoutMap(mesh)`` maps regular expressions to layouts, as Keras 3's
@@ -50,10 +50,11 @@ __all__ = [
 ]
 
 Axes = str | None | tuple[str, ...]
-# One entry per dimension, a PartitionSpec, a Sharding, or None (replicated).
 Layout = tuple[Axes, ...] | PartitionSpec | Sharding | None
-# One logical axis name (or None, or a tuple of names) per dimension.
+"""A layout: one mesh axis name (or None, or a tuple of names) per dimension, a
+PartitionSpec, a Sharding, or None (replicated)."""
 Partition = tuple[Axes, ...]
+"""A partition: one logical axis name (or None, or a tuple of names) per dimension."""
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

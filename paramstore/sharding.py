@@ -28,7 +28,7 @@ Contract (docs/api.md, "Devices and sharding"; docs/sharding.md has the guide):
   only its own shards. Checkpoints are then written through Orbax, each process writing
   its own shards (see ``paramstore.checkpoint``).
 
-Models larger than one device (API.md; ``paramstore._layout`` and ``paramstore._abstract``
+Models larger than one device (docs/api.md; ``paramstore._layout`` and ``paramstore._abstract``
 hold what variable creation consults):
 
 * ``LayoutMap(mesh)`` (name regexes -> layouts, Keras 3 semantics) used through

@@ -33,7 +33,7 @@ Contract (see docs/api.md, "Variables"):
 * ``copy.deepcopy(v)`` is an independent variable (same value, dtype, shape, trainable
   flag; a new unique name in the current default store); ``pickle`` raises ``TypeError``
   pointing to ``ps.Saver`` / ``ps.Checkpoint``.
-* Where a new variable lives and how its initializer runs (API.md, "Models larger than one
+* Where a new variable lives and how its initializer runs (docs/api.md, "Models larger than one
   device") is ``paramstore._creation``'s: an initializer with a multi-device sharding runs
   compiled with it as output sharding; inside ``ps.abstract()`` a variable is an
   ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``).

@@ -17,6 +17,7 @@ from paramstore.nn.pooling import (
     GlobalMaxPooling2D,
     MaxPooling2D,
 )
+from paramstore.nn.repeat import Repeat
 from paramstore.nn.reshaping import Activation, Flatten, Reshape
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "LayerNormalization",
     "MaxPooling2D",
     "MultiHeadAttention",
+    "Repeat",
     "Reshape",
     "Sequential",
 ]
