@@ -52,3 +52,10 @@ def test_depth_benchmark_prints_the_targets():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step at 4 layers, ps.nn.Repeat / reference" in done.stdout
     assert "temp memory at 4 layers, remat=True / plain" in done.stdout
+
+
+@pytest.mark.slow
+def test_metrics_benchmark_prints_ratios_to_the_hand_written_sums():
+    out = run("metrics.py", "--quick")
+    assert "ps.function + hand-written sums [reference]" in out
+    assert "ps.function + ps.metrics (3 metrics)" in out and "async cpu us" in out

@@ -46,7 +46,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("scopes and modules", ["scope", "_traverse", "module", "initializers", "random", "_collect"]),
     ("functional core", ["functional", "remat"]),
     ("compiled functions", ["function", "sharding"]),
-    ("training", ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary"]),
+    (
+        "training",
+        ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary", "metrics", "_display"],
+    ),
     (
         "checkpoints",
         [
