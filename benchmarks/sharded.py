@@ -274,6 +274,8 @@ def parallel_rows(args: argparse.Namespace) -> None:
     print(f"\n# FSDP and tensor-parallel Adam steps ({layers} x {width}, batch {batch})")
     worst = 0.0
 
+    compiled: dict[str, Callable[[], Any]] = {}
+
     def variants(mesh: Any, specs: list) -> dict[str, Callable[[], object]]:
         shardings = [(NamedSharding(mesh, a), NamedSharding(mesh, b)) for a, b in specs]
         rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -307,6 +309,7 @@ def parallel_rows(args: argparse.Namespace) -> None:
                 state[0], state[1], loss = jitted(state[0], state[1], x, y)
                 return loss
 
+            compiled["jax.jit"] = lambda: jitted.lower(state[0], state[1], x, y).compile()
             return run
 
         def paramstore() -> Callable[[], object]:
@@ -328,6 +331,13 @@ def parallel_rows(args: argparse.Namespace) -> None:
                 opt.apply_gradients(grads)
                 return loss
 
+            def program() -> Any:  # the step's one compiled entry (paramstore internals)
+                (entry,) = step._cache.values()
+                don = [v._value for v in entry.donated]
+                ro = [v._value for v in entry.readonly]
+                return entry.runner.lower(don, ro, [x, y]).compile()
+
+            compiled["ps.function"] = program
             return lambda: step(x, y)
 
         def flax_nnx() -> Callable[[], object]:
@@ -369,11 +379,14 @@ def parallel_rows(args: argparse.Namespace) -> None:
                 for _ in range(3):
                     jax.block_until_ready(run())  # compile and warm up
             times = _interleaved(runs, steps, repeats)
+            programs = {name: _program_summary(make()) for name, make in compiled.items()}
         print(f"\n## {title}: {steps} steps, median of {repeats} interleaved runs")
         print(f"{'variant':30} {'blocking ms':>12} {'ratio':>7} {'pipelined ms':>13} {'ratio':>7}")
         ref = times["jax.jit (shardings, donated)"]
         for name, (b, a) in times.items():
             print(f"{name:30} {b * 1e3:12.2f} {b / ref[0]:7.2f} {a * 1e3:13.2f} {a / ref[1]:7.2f}")
+        for name, summary in programs.items():
+            print(f"  program of {name:12}: {summary}")
         ours = times["ps.function"]
         nnx_t = times["Flax NNX 0.12 nnx.jit"]
         worst = max(worst, ours[0] / ref[0], ours[1] / ref[1])
@@ -388,6 +401,21 @@ def parallel_rows(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------- sharded creation (issue 17)
+
+
+def _program_summary(compiled: Any) -> str:
+    """Flops, bytes accessed and collectives of a compiled step (XLA's own figures): equal
+    figures mean the same program, whatever the timings on a loaded machine say."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+    found = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in ops}
+    collectives = ", ".join(f"{n} {op}" for op, n in found.items() if n) or "none"
+    return (
+        f"{cost.get('flops', 0):,.0f} flops, {cost.get('bytes accessed', 0):,.0f} bytes "
+        f"accessed, collectives: {collectives}"
+    )
 
 
 def _peak_rss_reset() -> int:

@@ -3,8 +3,9 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, nn, random, sharding
+from paramstore import checkpoint, initializers, metrics, nn, random, sharding
 from paramstore._abstract import abstract
+from paramstore._display import display
 from paramstore._placement import device
 from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
@@ -22,6 +23,7 @@ from paramstore.functional import (
 from paramstore.module import Module
 from paramstore.object_checkpoint import Checkpoint
 from paramstore.optimizer import Optimizer
+from paramstore.remat import remat
 from paramstore.scope import (
     AUTO_REUSE,
     VariableScope,
@@ -52,16 +54,19 @@ __all__ = [
     "abstract",
     "checkpoint",
     "device",
+    "display",
     "function",
     "get_variable",
     "grad",
     "initialize",
     "initializers",
+    "metrics",
     "name_scope",
     "nn",
     "non_trainable",
     "pure",
     "random",
+    "remat",
     "sharding",
     "state",
     "summary",

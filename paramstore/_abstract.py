@@ -36,6 +36,7 @@ __all__ = [
     "creating",
     "error",
     "shape_of",
+    "trace_shape",
     "run_sharded",
     "init_program",
     "remember",
@@ -82,18 +83,27 @@ def error(name: str, what: str = "used") -> ValueError:
 
 
 def spread(sharding: Sharding | None) -> bool:
-    """Whether ``sharding`` spans several devices (then creation runs a sharded program)."""
-    return sharding is not None and len(sharding.device_set) > 1
+    """Whether ``sharding`` splits a value over several devices (then creation runs a
+    sharded program). A replicated value is whole on every device anyway: computing it
+    eagerly and copying it costs no more memory and no compilation."""
+    return (
+        sharding is not None and len(sharding.device_set) > 1 and not sharding.is_fully_replicated
+    )
 
 
 def shape_of(make: Make) -> jax.ShapeDtypeStruct | None:
     """What ``make()`` would return, traced abstractly; None when it is not one array or
     cannot be traced on its own (the caller then runs it eagerly)."""
+    return trace_shape(make)[0]
+
+
+def trace_shape(make: Make) -> tuple[jax.ShapeDtypeStruct | None, Exception | None]:
+    """``shape_of``, and the exception that stopped the trace (None if it did not fail)."""
     try:
         out = jax.eval_shape(make)
-    except Exception:  # reads a variable, advances a generator, strings ...: run eagerly
-        return None
-    return out if isinstance(out, jax.ShapeDtypeStruct) else None
+    except Exception as e:  # reads a variable, advances a generator, strings ...
+        return None, e
+    return (out if isinstance(out, jax.ShapeDtypeStruct) else None), None
 
 
 def init_program(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> Any:

@@ -129,14 +129,16 @@ def abstract_value(
             with _trace.no_frames():  # the initializer's own values, never a trace's
                 return parse_initial(initial_value, dtype, full_name)[0]
 
-        found = _abstract.shape_of(make)
+        found, error = _abstract.trace_shape(make)
         if found is None:
+            why = f" ({type(error).__name__}: {error})" if error is not None else ""
             raise TypeError(
                 f"The initial value of variable '{full_name}' cannot be traced for its shape "
                 "inside ps.abstract() (it reads another variable, draws from a "
                 "ps.random.Generator, or makes strings). Pass an initializer of shapes only "
-                "(ps.Variable(init, shape=...)), or create this variable outside ps.abstract()."
-            )
+                "(ps.Variable(init, shape=...)), or create this variable outside "
+                f"ps.abstract(){why}."
+            ) from error
         struct = found
     shape = tuple(struct.shape)
     placed = target(full_name, shape, partition, device, sharding)

@@ -335,15 +335,20 @@ def target(
 
 
 def may_shard(device: Any, sharding: Any, partition: Partition | None) -> bool:
-    """Whether a new variable may get a sharding over several devices (then creation needs
-    its shape first): a multi-device ``sharding=``/``device=`` or ``ps.device`` block, a
-    ``LayoutMap``, or a partition under ``axis_rules``. False is the common, cheap case."""
+    """Whether a new variable may get a sharding that splits it over several devices (then
+    creation needs its shape first): such a ``sharding=``/``device=`` or ``ps.device``
+    block, a ``LayoutMap``, or a partition under ``axis_rules``. False is the common,
+    cheap case (also a replicated placement: the whole value is every device's share)."""
     if device is not None or sharding is not None:
-        return len(_explicit(device, sharding).device_set) > 1
+        return _splits(_explicit(device, sharding))
     context = current_placement()
     if isinstance(context, Layouts) or (partition is not None and _rules.stack):
         return True
-    return context is not None and len(context.device_set) > 1
+    return context is not None and _splits(context)
+
+
+def _splits(sharding: Sharding) -> bool:
+    return len(sharding.device_set) > 1 and not sharding.is_fully_replicated
 
 
 def _explicit(device: Any, sharding: Any) -> Sharding:

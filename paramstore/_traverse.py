@@ -140,31 +140,37 @@ class _Walk:
         self.path_of: dict[int, str] = {}
         self.deferred: list[tuple[str, Relative, Any]] = []
 
-    def children(self, x: Any) -> list[tuple[Key, Any]] | None:
-        """A node's or holder's children, None if ``x`` is neither."""
-        if isinstance(x, Node):
-            return list(x._ps_children())
-        if self.holders and not isinstance(x, (Mapping, list, tuple, *_ATOMIC)):
-            return _holder_children(x)
-        return None
-
-    def leaves(self, x: Any, path: str | None) -> Iterator[tuple[str | None, Any, Any]]:
-        """``(path, object, its children or None)`` for the Variables, nodes and holders
-        in ``x``, in tf.nest order."""
+    def leaves(self, x: Any, path: str | None, out: list[Any], later: list[Any]) -> None:
+        """Append to ``out`` the Variables and nodes in ``x`` met for the first time (tf.nest
+        order), and to ``later`` the nodes and holders to expand after them."""
         if type(x) in _SKIP:
             return
         if isinstance(x, Variable):
-            yield path, x, None
+            if id(x) not in self.seen:
+                self.seen.add(id(x))
+                if path is not None:
+                    self.path_of[id(x)] = path
+                out.append((path, x))
             return
-        below = self.children(x)
-        if below is not None:
-            yield path, x, below
+        is_node = isinstance(x, Node)
+        if not is_node and isinstance(x, _ATOMIC):  # an array, a str subclass...
             return
-        items = container_items(x)
-        for segment, child in items or ():
-            yield from self.leaves(child, _join(path, segment))
+        if is_node or (self.holders and not isinstance(x, (Mapping, list, tuple))):
+            if id(x) in self.seen:
+                return
+            below = list(x._ps_children()) if is_node else _holder_children(x)
+            if below is not None:
+                self.seen.add(id(x))
+                if is_node:
+                    out.append((path, x))
+                later.append((path, below))
+                return
+        for segment, child in container_items(x) or ():
+            self.leaves(child, _join(path, segment), out, later)
 
-    def expand(self, entries: Iterable[tuple[Key | None, Any]], path: str | None) -> Iterator[Any]:
+    def expand(self, entries: Iterable[tuple[Key | None, Any]], path: str | None) -> list[Any]:
+        """``(path, object)`` under a node's ``entries``: its own finds, then its sub-nodes'."""
+        out: list[Any] = []
         later: list[tuple[str | None, list[tuple[Key, Any]]]] = []
         for key, value in entries:
             if isinstance(key, Relative):
@@ -172,27 +178,23 @@ class _Walk:
                     self.deferred.append((path, key, value))
                     continue
                 key = None
-            for leaf_path, leaf, below in self.leaves(value, _join(path, key)):
-                if id(leaf) in self.seen:
-                    continue
-                self.seen.add(id(leaf))
-                if isinstance(leaf, Variable):
-                    if leaf_path is not None:
-                        self.path_of[id(leaf)] = leaf_path
-                    yield leaf_path, leaf
-                    continue
-                if isinstance(leaf, Node):
-                    yield leaf_path, leaf
-                later.append((leaf_path, below or []))
+            self.leaves(value, _join(path, key), out, later)
         for sub_path, below in later:
-            yield from self.expand(below, sub_path)
+            out.extend(self.expand(below, sub_path))
+        return out
 
-    def resolve(self) -> Iterator[Any]:
+    def resolve(self) -> list[Any]:
+        """The children keyed by ``Relative``, now that every owner's path is known."""
+        out: list[Any] = []
         while self.deferred:
-            path, key, value = self.deferred.pop(0)
-            owner = self.path_of.get(id(key.owner))
-            rel = f"{owner}/{key.rest}".rstrip("/") if owner is not None else key.fallback
-            yield from self.expand([(rel, value)], path)
+            batch, self.deferred = self.deferred, []
+            entries = []
+            for path, key, value in batch:
+                owner = self.path_of.get(id(key.owner))
+                rel = f"{owner}/{key.rest}".rstrip("/") if owner is not None else key.fallback
+                entries.append((_join(path, rel), value))
+            out.extend(self.expand(entries, ""))
+        return out
 
 
 def walk(

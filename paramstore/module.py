@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from paramstore import _html, _training
 from paramstore import scope as _scope
 from paramstore._context import Scope, ctx, prefixed
 from paramstore._store import default_store
@@ -57,6 +58,8 @@ class Module(Node):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "__call__" in cls.__dict__:  # training= travels down (paramstore/_training.py)
+            cls.__call__ = _training.propagate(cls.__dict__["__call__"])  # type: ignore[method-assign]
         init = cls.__dict__.get("__init__")
         if init is None:
             return
@@ -143,6 +146,9 @@ class Module(Node):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} '{self._scope_name}' ({len(self.variables)} variables)>"
+
+    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_html.py)
+        return _html.module_html(self)
 
     # Hook for ps.Checkpoint's deferred restoration (paramstore/object_checkpoint.py): a
     # restore leaves the values of not-yet-created variables in ``_ps_pending``; assigning

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore import _abstract, _trace
+from paramstore import _abstract, _html, _trace
 from paramstore._array_ops import ArrayOps, unwrap
 from paramstore._context import STATE_LOCK, prefixed
 from paramstore._creation import abstract_value, created, shaped
@@ -277,6 +277,9 @@ class Variable(ArrayOps):
 
     def __getitem__(self, index: Any) -> VariableSlice:
         return VariableSlice(self, index)
+
+    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_html.py)
+        return _html.variable_html(self)
 
     def __repr__(self) -> str:
         head = f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()}"

@@ -155,3 +155,10 @@ def test_abstract_state_registry_drops_dead_variables(fresh_store):
     del v
     gc.collect()
     assert key not in _abstract._pending
+
+
+def test_abstract_initializer_error_is_reported_with_its_cause(fresh_store):
+    with ps.abstract(), pytest.raises(TypeError, match=r"'o' cannot be traced .*rank >= 2") as e:
+        ps.Variable(ps.initializers.orthogonal(), shape=(3,), name="o")
+    assert isinstance(e.value.__cause__, ValueError)
+    assert fresh_store.variables() == []

@@ -3,6 +3,10 @@ partial updates, and optimizer slots checkpointed by path."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,10 +193,10 @@ def test_state_filters_by_callable_regex_and_ready_made():
         "stack/layer0/b",
         "stack/layer1/b",
     ]
-    assert list(ps.state({"k": model.layers[0].w, "c": model.layers[0].steps}, "k|c")) == [
-        "k",
-        "c",
-    ]
+    # a dict's keys name the state; the expression is searched in the variables' names
+    named = {"k": model.layers[0].w, "c": model.layers[0].steps}
+    assert list(ps.state(named, where="steps$")) == ["c"]
+    assert list(ps.state(named, where=ps.trainable)) == ["k"]
 
 
 @pytest.mark.parametrize(
@@ -327,3 +331,16 @@ def test_slots_round_trip_and_training_resumes_exactly(tmp_path):
     for m, o in ((model, opt), (model2, opt2)):
         o.apply_gradients(ps.grad(lambda m=m: jnp.sum(m(X) ** 2), m)())
     assert_same(values([*model.variables, *opt.variables]), [*model2.variables, *opt2.variables])
+
+
+@pytest.mark.slow
+def test_the_traversal_benchmark_prints_its_table():
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "traversal.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick", "--blocks", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[reference]" in done.stdout and "variables_by_path" in done.stdout

@@ -264,6 +264,11 @@ def check_every_way_a_variable_is_born_gets_its_layout():
     }
     f(jnp.ones((2, 8)))
     assert f.trace_count == 1
+    with ps.VariableStore():  # the traced, sharded creation drew the eager values
+        eager = ps.nn.Dense(8, name="dense_t")
+        eager(jnp.ones((2, 8)))
+    np.testing.assert_array_equal(traced.kernel.numpy(), eager.kernel.numpy())
+    assert traced.kernel.value().addressable_shards[0].data.shape == (2, 4)
     # optimizer slots: exactly like their parameter, whatever the context
     for i, context in enumerate((lm, mesh, NamedSharding(mesh, P("data")))):
         with ps.device(context):

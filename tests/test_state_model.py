@@ -321,6 +321,19 @@ def test_grad_optimizer_saver_and_reshard_accept_the_same_forms(tmp_path):
     opt = ps.Optimizer(optax.sgd(1.0), nested)
     opt.apply_gradients([jnp.ones(2)] * 3)
     np.testing.assert_allclose(a.w.numpy(), [0.0, 0.0])
+    # ps.grad reads the same forms: a list of Modules gives, per Module, what it alone gives
+    grads = ps.grad(lambda: jnp.sum(a.w * 2.0 + extra + b.w * 3.0), nested)()
+    assert isinstance(grads[0][0], tuple) and isinstance(grads[1][0], tuple)
+    np.testing.assert_allclose(grads[0][0][0], [2.0, 2.0])
+    np.testing.assert_allclose(grads[0][1], [1.0, 1.0])
+    np.testing.assert_allclose(grads[1][0][0], [3.0, 3.0])
+    loss_ab = lambda: jnp.sum(a.w * 2.0 + b.w * 3.0)  # noqa: E731
+    for m, g in zip((a, b), ps.grad(loss_ab, [a, b])(), strict=True):
+        alone = ps.grad(loss_ab, m)()
+        assert isinstance(g, tuple) and len(g) == len(alone) == 1
+        np.testing.assert_allclose(g[0], alone[0])
+    opt.apply_gradients(grads)  # the optimizer takes ps.grad's structure for the same form
+    np.testing.assert_allclose(a.w.numpy(), [-2.0, -2.0])
     path = ps.Saver(nested).save(str(tmp_path / "c"))
     assert [n for n, _, _ in ps.checkpoint.list_variables(path)] == sorted(names)
     ps.sharding.reshard(nested, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
