@@ -142,9 +142,44 @@ def train(process_id: int, port: int, directory: str) -> None:
         manager.save(target)  # returns once the values are off the devices
         if target == 2:
             manager.wait()
+            _corrupt_copy_is_refused_by_every_process(directory, variables, process_id)
     assert step.trace_count == 1
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)  # killed while step 4 is written
+
+
+def _corrupt_copy_is_refused_by_every_process(directory, variables, process_id) -> None:
+    """A flipped bit in a file of process 1's shard store: process 1 checks that store's
+    digests, yet both processes raise (the verdict is shared) and no variable changes."""
+    import shutil
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import paramstore as ps
+
+    corrupt = os.path.join(directory, "corrupt")
+    if process_id == 0:
+        shutil.copytree(os.path.join(directory, "ckpts", "ckpt-2"), corrupt)
+        store = Path(corrupt, "arrays", "ocdbt.process_1")
+        victim = max((f for f in store.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        victim.write_bytes(bytes(raw))
+    multihost_utils.sync_global_devices("corrupt-copy")
+    before = [
+        np.asarray(multihost_utils.process_allgather(v.value(), tiled=True)) for v in variables[:-1]
+    ]
+    try:
+        ps.Saver(variables).restore(corrupt)
+    except ps.checkpoint.CheckpointError as e:
+        assert "corrupt" in str(e), e
+    else:
+        raise AssertionError(f"process {process_id} restored a corrupt checkpoint")
+    after = [
+        np.asarray(multihost_utils.process_allgather(v.value(), tiled=True)) for v in variables[:-1]
+    ]
+    assert all(np.array_equal(b, a) for b, a in zip(before, after))
 
 
 def resume(directory: str) -> None:
