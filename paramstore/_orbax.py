@@ -20,7 +20,7 @@ Restoring checks the metadata and process files' digests, that the writers' shar
 each array, every file's digest, and the sums of the restored values, shard by shard where
 the layout is the writer's and as a total otherwise, before any variable is assigned.
 paramstore reads the JSON itself (``list_variables`` needs no Orbax). Orbax is imported
-only here, lazily (``importlib``). ``ShardedCheckpoint`` is this format's
+only here, lazily (``importlib``). ``_orbax_read.ShardedCheckpoint`` is this format's
 ``_format.Reader``.
 """
 
