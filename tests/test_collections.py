@@ -344,3 +344,53 @@ def test_the_traversal_benchmark_prints_its_table():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[reference]" in done.stdout and "variables_by_path" in done.stdout
+
+
+@jax.tree_util.register_pytree_node_class
+class Pair:
+    """A pytree of fixed structure holding two variables."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def tree_flatten(self):
+        return (self.first, self.second), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def test_grad_over_another_pytree_keeps_its_structure_and_a_filter_leaves_none():
+    a = ps.Variable(jnp.ones(2), name="a")
+    b = ps.Variable(jnp.full(2, 3.0), name="b")
+    loss = lambda: jnp.sum(a * b)  # noqa: E731
+    g = ps.grad(loss, Pair(a, b))()
+    assert isinstance(g, Pair)
+    np.testing.assert_allclose(g.first, [3.0, 3.0])
+    np.testing.assert_allclose(g.second, [1.0, 1.0])
+    only_b = ps.grad(loss, Pair(a, b), where="^b$")()
+    assert only_b.first is None
+    np.testing.assert_allclose(only_b.second, [1.0, 1.0])
+
+
+def test_an_optimizer_subclass_attribute_is_traversed_and_checkpointed(tmp_path):
+    model, _ = _trained(1, steps=0)
+
+    class Tracked(ps.Optimizer):
+        pass
+
+    opt = Tracked(optax.sgd(0.1), model)
+    opt.note = ps.Variable(5.0, trainable=False, name="note")
+    assert opt.variables[0] is opt.iterations and opt.variables[-1] is opt.note
+    assert "optimizer/note" in ps.Checkpoint(model=model, optimizer=opt).variables_by_path()
+
+
+def test_two_variables_on_one_checkpoint_path_are_refused(tmp_path):
+    v1, v2 = ps.Variable(1.0, name="v1"), ps.Variable(2.0, name="v2")
+    ckpt = ps.Checkpoint(model={1: v1, "1": v2})
+    with pytest.raises(
+        ps.checkpoint.CheckpointError, match=r"'v1' and 'v2'\) have the same path 'model/1'"
+    ):
+        ckpt.save(tmp_path / "c.safetensors")
+    assert not any(tmp_path.iterdir())  # nothing written
