@@ -1,0 +1,118 @@
+"""What checking hostile files costs (issue 16): refusals next to a plain header read, and
+listing large foreign indexes.
+
+Run: ``python benchmarks/checkpoint_hostile.py`` (``--quick`` for a smoke run).
+
+Rows (median and minimum of ``--repeats`` runs, taking turns within each repeat):
+
+* paramstore header, verified: ``list_variables`` of a file whose header is ~15 MiB
+  (100,000 variables): parse and check every entry (the reference).
+* unverified 15 MiB header, refused: the same size of header without paramstore metadata
+  (a safetensors file from elsewhere), refused before it is parsed. Target: <= 50 ms, and
+  no slower than reading the header.
+* FIFO refused: ``list_variables`` of a FIFO (stat, no open).
+* TF index, 100,000 entries: ``list_variables`` of a hand-made TensorFlow ``.index`` with
+  100,000 float32 entries, parsed and checked in Python. Target: <= 2 s.
+* Keras .weights.h5, N datasets: ``list_variables``, every dataset checked (h5py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from paramstore import checkpoint
+from paramstore.checkpoint import CheckpointError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_checkpoint_hostile_tf import entry, write_index  # noqa: E402  (the tests' writer)
+
+
+def unverified_header(path: str, entries: int) -> None:
+    row = b'"t%07d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
+    body = b"{" + b"".join(row % i for i in range(entries))[:-1] + b"}"
+    body += b" " * (-len(body) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(body)) + body)
+
+
+def refused(path: str) -> None:
+    try:
+        checkpoint.list_variables(path)
+    except CheckpointError:
+        return
+    raise AssertionError(f"{path} was not refused")
+
+
+def measure(rows: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    n_header = 2_000 if args.quick else 100_000
+    n_index = 2_000 if args.quick else 100_000
+    n_h5 = 200 if args.quick else 5_000
+    repeats = 1 if args.quick else args.repeats
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        verified = checkpoint.write_arrays(
+            os.path.join(tmp, "v.safetensors"),
+            {f"t{i:07d}": np.zeros(0, np.float32) for i in range(n_header)},
+        )
+        unverified = os.path.join(tmp, "u.safetensors")
+        unverified_header(unverified, int(n_header * 1.9))  # ~ the same header bytes
+        fifo = os.path.join(tmp, "fifo")
+        os.mkfifo(fifo)
+        prefix = write_index(
+            os.path.join(tmp, "tf"),
+            {f"layer_{i:06d}/kernel": entry(1, (2,), 8 * i, 8) for i in range(n_index)},
+            bytes(8 * n_index),
+        )
+        rows: dict[str, Callable[[], object]] = {
+            f"paramstore header, verified ({os.path.getsize(verified) >> 20} MiB, "
+            f"{n_header:,} entries)": lambda: checkpoint.list_variables(verified),
+            f"unverified header ({os.path.getsize(unverified) >> 20} MiB), refused": lambda: (
+                refused(unverified)
+            ),
+            "FIFO, refused": lambda: refused(fifo),
+            f"TF index, {n_index:,} entries, listed": lambda: checkpoint.list_variables(prefix),
+        }
+        try:
+            import h5py
+
+            h5 = os.path.join(tmp, "k.weights.h5")
+            with h5py.File(h5, "w") as f:
+                for i in range(n_h5):
+                    f.create_dataset(f"layers/l{i}/vars/0", data=np.zeros(4, np.float32))
+            rows[f"Keras .weights.h5, {n_h5:,} datasets, listed"] = lambda: (
+                checkpoint.list_variables(h5)
+            )
+        except ImportError:
+            pass
+        times = measure(rows, repeats)
+    ref = statistics.median(next(iter(times.values())))
+    print(f"{'row':<58} {'median':>10} {'min':>10} {'/ header':>9}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<58} {med * 1e3:>8.1f}ms {min(ts) * 1e3:>8.1f}ms {med / ref:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
