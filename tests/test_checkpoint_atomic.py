@@ -235,3 +235,10 @@ def test_sharded_saves_and_reads_of_one_path_from_threads(tmp_path):
     assert run_threads(manager_saves(0), manager_saves(100)) == []
     manager.wait()
     assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-102", "ckpt-103"]
+
+
+def test_strings_that_are_not_utf8_are_a_checkpoint_error_naming_them(tmp_path):
+    bad = np.array([b"\xff\xfe"]).astype(np.dtypes.StringDType())  # bytes kept undecoded
+    with pytest.raises(CheckpointError, match=r"Cannot save 's': its strings are not valid"):
+        checkpoint.write_arrays(tmp_path / "c.safetensors", {"s": bad, "x": np.ones(2)})
+    assert os.listdir(tmp_path) == []  # nothing written, no temporary left
