@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from paramstore import _orbax, _orbax_read, _tf
 from paramstore._checkpoint_file import SafetensorsFile
-from paramstore._checkpoint_io import check_regular
+from paramstore._checkpoint_io import check_regular, path_lock
 from paramstore._format import CheckpointError, PathLike, Reader
 from paramstore._tf_keras import KerasWeights, is_hdf5
 
@@ -71,11 +71,16 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
 
 @contextlib.contextmanager
 def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
-    reader = open_reader(path, allow_unverified)
-    try:
-        yield reader
-    finally:
-        reader.close()
+    resolved = _resolve(path)
+    # a sharded directory is read under its path's lock: a save from another thread of
+    # this process replaces its files one by one (a single file is renamed atomically)
+    lock = path_lock(resolved) if _orbax.is_checkpoint(resolved) else contextlib.nullcontext()
+    with lock:
+        reader = open_reader(resolved, allow_unverified)
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
 def scan(directory: str) -> list[tuple[int, str]]:
