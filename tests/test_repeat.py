@@ -423,3 +423,23 @@ def test_layout_map_and_partitions_describe_one_block_the_stacked_axis_is_replic
     assert kernel.partition == (None, "embed", "mlp")
     assert ps.sharding.specs(r2)[kernel.name] == P(None, None, "model")
     np.testing.assert_allclose(r2(x), ps.function(lambda x: r2(x))(x), rtol=1e-6, atol=1e-6)
+
+
+def test_extra_arguments_reach_every_block_eagerly_and_compiled():
+    class Masked(ps.Module):
+        def __init__(self, name=None):
+            self.attn = ps.nn.MultiHeadAttention(2, 4)
+
+        def __call__(self, x, mask, causal=False):
+            return x + self.attn(x, x, mask=mask, use_causal_mask=causal)
+
+    x = _x((2, 5, D))
+    mask = jnp.ones((2, 5, 5), bool).at[:, :, 3:].set(False)
+    r = ps.nn.Repeat(Masked, 2)
+    eager = r(x, mask, causal=True)
+    compiled = ps.function(lambda x, m: r(x, m, causal=True))(x, mask)
+    np.testing.assert_allclose(eager, compiled, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(r(x, mask, causal=False), eager)  # the flag reached the blocks
+    # masked keys (positions 3, 4) do not change the first query's output
+    x2 = x.at[:, 3:].set(5.0)
+    np.testing.assert_allclose(r(x2, mask, causal=True)[:, 0], eager[:, 0], rtol=1e-5, atol=1e-5)
