@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paramstore._context import STATE_LOCK, ctx
+from paramstore._context import ctx
 from paramstore._jax import (
     EVAL,
     Tracer,
@@ -181,7 +181,9 @@ def _lookup(stack: list[Frame], i: int, var: Variable, captured: bool = False) -
             frame.capture(var, _lookup(stack, i - 1, var, captured=True))
             return frame.get(key)
         i -= 1
-    return var._value if captured else outside(var)
+    # captured: the array becomes a constant of the trace, so it is handed out (a step in
+    # another thread may not donate it while the trace, which holds no lock, uses it)
+    return ownership.hand_out(var) if captured else outside(var)
 
 
 def outside(var: Variable) -> Any:
@@ -197,9 +199,7 @@ def outside(var: Variable) -> Any:
             "model with its current values as constants, close over ps.state(model) in a "
             "ps.pure function (see docs/state.md)."
         )
-    with STATE_LOCK:  # a step's refcount check then counts this reader
-        ownership.version += 1
-        return var._value
+    return ownership.hand_out(var)
 
 
 def read(var: Variable) -> Any:

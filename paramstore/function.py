@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -52,22 +50,19 @@ from typing import Any
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
-from paramstore._context import STATE_LOCK
 from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, pure_jaxpr, staging
-from paramstore._ownership import ownership, private_copy
+from paramstore._ownership import ownership
 from paramstore._store import default_store
 from paramstore.module import Module
 from paramstore.variable import Variable, VariableSlice
 
 __all__ = ["function", "Function"]
 
-_get_value = operator.attrgetter("_value")
-# References to an array passed to a call: the variable, our list, getrefcount's argument.
-_OWN_REFS = 3
 _HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
 
 
@@ -120,15 +115,15 @@ class _Entry:
         n_leaves: int,
         donate: bool,
         wait: bool,
-        distinct: bool,
+        shared: list[Variable],
     ) -> None:
         self.owner = owner
         self.runner = runner
         self.donated = donated
-        self.donated_ids = frozenset(map(id, donated))
         self.readonly = readonly
         self.assigned = assigned
-        self.assigned_ids = [id(v) for v in assigned]
+        # Variables whose array an output is (or may be) after each call: handed out.
+        self.shared = shared
         self.touches = bool(donated or readonly or assigned)
         self.out_tree = out_tree
         self.one_out = out_tree is not None and out_tree.num_nodes == out_tree.num_leaves == 1
@@ -138,13 +133,12 @@ class _Entry:
         self.donate = donate
         self.wait = wait
         self.n_donated = len(donated)
-        # The state version after this entry's last call, and that call's outputs for the
-        # donated variables and its read-only inputs: while the version is unchanged they
-        # are exactly the next call's inputs, nobody else holds them, so the next call
-        # skips the gather and the reference counts (602 variables: 41 of 58 us per call).
+        # The steady-path cache (see _ownership): the state version after this entry's
+        # last call, and that call's outputs for the donated variables and its read-only
+        # inputs, which are exactly the next call's while the version is unchanged.
+        self.steady = not shared
         self.version = -1
         self.last: tuple[Any, Any] = ((), ())
-        self.distinct = distinct
 
     def __call__(self, leaves: list[Any]) -> Any:
         trace = current_trace()
@@ -153,47 +147,10 @@ class _Entry:
         if self.ref_pos:  # Variables/Modules passed as arguments are read, not passed
             leaves = [leaves[i] for i in self.array_pos]
         if self.wait:
-            return self._call_and_wait(leaves)
-        with STATE_LOCK:
-            if ownership.version == self.version and ownership.cached is self:  # nothing written or
-                don, ro = self.last  # handed out since our last call: our own last outputs
-            else:
-                ownership.release_cached()  # no cache may hold references while we count them
-                don = list(map(_get_value, self.donated))
-                if self.donate:
-                    counts = list(map(sys.getrefcount, don))
-                    owners = ownership.unowned
-                    unowned = owners and not self.donated_ids.isdisjoint(owners)
-                    if unowned or max(counts) > _OWN_REFS:  # someone may hold it: a copy
-                        don = [
-                            private_copy(x) if c > _OWN_REFS or id(v) in owners else x
-                            for v, x, c in zip(self.donated, don, counts)
-                        ]
-                ro = list(map(_get_value, self.readonly))
-            new, out = self.runner(don, ro, leaves)
-            if new:
-                ownership.write_many(self.assigned, self.assigned_ids, new)
-            if self.distinct:
-                ownership.release_cached()
-                ownership.cached = self
-                self.last = (new[: self.n_donated], ro)
-                self.version = ownership.version
-            else:  # outputs may share input or variable buffers: handed out, as value() does
-                ownership.version += 1
+            out = ownership.call_and_wait(self, leaves)
+        else:
+            out = ownership.call(self, leaves)
         return out[0] if self.one_out else jax.tree_util.tree_unflatten(self.out_tree, out)
-
-    def _call_and_wait(self, leaves: list[Any]) -> Any:
-        """A program that can raise on the host: no donation, results swapped in only
-        after it finished (the lock is not held while it runs: a callback may read a
-        variable)."""
-        with STATE_LOCK:
-            don = list(map(_get_value, self.donated))
-            ro = list(map(_get_value, self.readonly))
-        new, out = jax.block_until_ready(self.runner(don, ro, leaves))
-        if new:
-            with STATE_LOCK:
-                ownership.write_many(self.assigned, self.assigned_ids, new)
-        return jax.tree_util.tree_unflatten(self.out_tree, out)
 
     def _transformed(self) -> None:
         names = ", ".join(v.name for v in (self.assigned or [*self.donated, *self.readonly]))
@@ -374,16 +331,18 @@ class Function:
                     out_leaves, new, result["assigned"] = [], [], []  # their values
             return out_leaves, new, [x for _, x in frame.created]
 
-        with STATE_LOCK:  # no step may donate an array this trace holds an alias of
-            closed = jax.make_jaxpr(flat)(*arrays)
-            if frame.created:
-                _initialize(closed, frame.created, result.get("error"))
-            if "error" in result:
-                raise result["error"]
-            _sharding.settle_unplaced(
-                result["assigned"], [*(v._value for v, _ in frame.captured.values()), *arrays]
-            )
-            entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
+        # No lock is held while the body is traced: a captured array is handed out
+        # (_trace), so no step in another thread donates what this trace holds.
+        closed = jax.make_jaxpr(flat)(*arrays)
+        if frame.created:
+            _initialize(closed, frame.created, result.get("error"))
+        if "error" in result:
+            raise result["error"]
+        _sharding.settle_unplaced(
+            result["assigned"],
+            [*(ownership.peek(v) for v, _ in frame.captured.values()), *arrays],
+        )
+        entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
         self._cache[key] = entry
         self.trace_count += 1
         return entry
@@ -456,20 +415,27 @@ class Function:
         # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
         # next call sees the same input shardings (no recompilation) and placement is kept.
         keep = [
-            sh if len(sh.device_set) > 1 else None for sh in (v._value.sharding for v in assigned)
+            sh if len(sh.device_set) > 1 else None
+            for sh in (ownership.peek(v).sharding for v in assigned)
         ]
+
+        # An output that is also a variable's new value or a donated input (`return
+        # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
+        # could never be donated again: the output gets a copy of its own instead (one
+        # copy of the returned value, where sharing cost a copy of the variable per call).
+        new_vars = [outvars[n_out + i] for i in order]
+        own_ids = {id(v) for v in new_vars} | {id(c) for _, c in donated}
+        to_copy = frozenset(i for i, v in enumerate(outvars[:n_out]) if id(v) in own_ids)
 
         def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
             res = fun(*don, *ro, *arrays)
             new = res[n_out:]
-            return [new[i] for i in order], res[:n_out]
+            out = [jnp.copy(x) if i in to_copy else x for i, x in enumerate(res[:n_out])]
+            return [new[i] for i in order], out
 
         wait = _has_host_callback(lifted)
-        # jit forwards an input that is returned unchanged, and may return one buffer for
-        # two equal outputs: then an output (or a second variable) shares a variable's
-        # buffer, and only the reference-count path may donate (see _Entry.last).
-        out_ids = [id(v) for v in outvars if isinstance(v, jex.core.Var)]
-        distinct = len(set(out_ids)) == len(out_ids) and set(out_ids).isdisjoint(map(id, invars))
+        kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
+        shared = _shared(moved, assigned, new_vars, kept)
         donate = self._donate and bool(donated) and not wait
         runner = jax.jit(
             run,
@@ -488,7 +454,7 @@ class Function:
             n_leaves,
             donate,
             wait,
-            distinct,
+            shared,
         )
 
     def __repr__(self) -> str:
@@ -509,7 +475,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     if any(used_in[n_consts:]):
         for var, _ in created:
             default_store()._forget(var)
-            ownership.initial_overrides.pop(id(var), None)
+            ownership.take_initial(var, None)
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "
             "depends on the values of the function's arguments. An initial value may depend "
@@ -520,7 +486,32 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     init = init.replace(debug_info=init.debug_info.with_unknown_names())
     values = jax.jit(jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, [])))(*consts)
     for (var, _), value in zip(created, values):
-        var._write(ownership.initial_overrides.pop(id(var), value), owned=True)
+        var._write(ownership.take_initial(var, value), owned=True)
+
+
+def _shared(
+    moved: list[tuple[Variable, Any]], assigned: list[Variable], new: list[Any], outs: list[Any]
+) -> list[Variable]:
+    """The variables whose array an output of the lifted jaxpr is, or may be, after a call.
+
+    jit forwards an input that is returned unchanged and may return one buffer for two
+    equal outputs (or a cached constant for a literal): then the user, or a second
+    variable, holds that variable's buffer, which must count as handed out. ``moved``:
+    (variable, input var); ``new``: the assigned variables' output vars, in order;
+    ``outs``: the function's own outputs."""
+    counts: dict[int, int] = {}
+    for v in [*new, *outs]:
+        counts[id(v)] = counts.get(id(v), 0) + 1
+    inputs = {id(c) for _, c in moved}
+    shared = [
+        var
+        for var, v in zip(assigned, new)
+        if not isinstance(v, jex.core.Var) or counts[id(v)] > 1 or id(v) in inputs
+    ]
+    returned = {id(v) for v in outs}
+    written = {id(v) for v in assigned}
+    shared += [var for var, c in moved if id(c) in returned and id(var) not in written]
+    return shared
 
 
 def _static_args(

@@ -37,7 +37,6 @@ Contract (see API.md, "Variables"):
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
@@ -73,9 +72,6 @@ _EAGER = {
     "add": (jax.jit(jnp.add), jax.jit(jnp.add, donate_argnums=0)),
     "subtract": (jax.jit(jnp.subtract), jax.jit(jnp.subtract, donate_argnums=0)),
 }
-# References to a variable's array while an update checks it: the variable, the local
-# name, getrefcount's argument.
-_OWN_REFS = 3
 _MISSING = object()
 
 
@@ -116,7 +112,8 @@ class Variable(ArrayOps):
     """A named, stateful array (see the module docstring for the contract)."""
 
     __slots__ = (
-        "_value",
+        "_value",  # the array: read and written by paramstore._ownership only
+        "_given",  # id() of the array last handed out (ownership's record)
         "_name",
         "_trainable",
         "_dtype",
@@ -171,12 +168,11 @@ class Variable(ArrayOps):
                     "callable initial value, or reshard it after the first call."
                 )
             _trace.create(self, value)
-            self._value = jax.ShapeDtypeStruct(value.shape, value.dtype)
+            ownership.adopt(self, jax.ShapeDtypeStruct(value.shape, value.dtype), owned=True)
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
     def _set_fields(self, value: Any, trainable: bool, owned: bool) -> None:
-        self._value = value
-        ownership.mark(self, owned)
+        ownership.adopt(self, value, owned)
         self._trainable = bool(trainable)
         self._is_key = is_key_dtype(value.dtype)  # once: issubdtype costs ~1 us a call
         self._dtype = value.dtype if self._is_key else np.dtype(value.dtype)
@@ -191,9 +187,7 @@ class Variable(ArrayOps):
             return _trace.read(self)
         if current_trace() is not EVAL:
             return _trace.outside(self)
-        with STATE_LOCK:  # a step's refcount check then counts this reader
-            ownership.version += 1
-            return self._value
+        return ownership.hand_out(self)
 
     read_value = value
 
@@ -232,14 +226,15 @@ class Variable(ArrayOps):
     @property
     def sharding(self) -> Any:
         """The value's ``jax.sharding.Sharding`` (None for a string variable)."""
-        return None if self._is_string else self._value.sharding
+        return None if self._is_string else ownership.peek(self).sharding
 
     @property
     def device(self) -> Any:
         """The ``jax.Device`` holding the value; None when sharded over several (or strings)."""
-        if self._is_string or self._value.sharding is None:
+        sharding = None if self._is_string else ownership.peek(self).sharding
+        if sharding is None:
             return None
-        devices = self._value.sharding.device_set
+        devices = sharding.device_set
         return next(iter(devices)) if len(devices) == 1 else None
 
     def ref(self) -> Reference:
@@ -251,7 +246,7 @@ class Variable(ArrayOps):
 
     def __repr__(self) -> str:
         head = f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()}"
-        if isinstance(self._value, jax.ShapeDtypeStruct):
+        if self._pending():
             return f"{head} (initial value being computed)>"
         value = self.value()
         if isinstance(value, Tracer):
@@ -266,6 +261,11 @@ class Variable(ArrayOps):
         text = repr(array.item()) if array.ndim == 0 and not self._is_string else repr(array)
         return f"{head}, numpy={text}>"
 
+    def _pending(self) -> bool:
+        """Whether the initial value is still being computed (created inside the first
+        trace of a ``ps.function`` from a traced value, until that trace completes)."""
+        return isinstance(ownership.peek(self), jax.ShapeDtypeStruct)
+
     def _dtype_name(self) -> str:
         return "string" if self._is_string else str(self._dtype)
 
@@ -274,7 +274,7 @@ class Variable(ArrayOps):
         """An independent copy: same value, dtype, shape and trainable flag; a new unique
         name (this one's, numbered) in the current default store."""
         with STATE_LOCK:  # copied before any step can donate it
-            value = self._value
+            value = ownership.peek(self)
             if not self._is_string:
                 value = jnp.array(value, copy=True)  # type: ignore[assignment]
         new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
@@ -326,18 +326,11 @@ class Variable(ArrayOps):
             return
         if current_trace() is not EVAL:
             raise _traced_context_error(self._name)
+        if type(d) is not np.ndarray and d.committed:
+            d = self._colocated(d)
+        # The result lands where the variable's array is: no placement check.
         fresh, donating = _EAGER[how]
-        with STATE_LOCK:
-            x = self._value
-            if type(d) is not np.ndarray and d.committed:
-                d = self._colocated(d)
-            # The result lands where the variable's array is: no placement check.
-            if sys.getrefcount(x) <= _OWN_REFS and id(self) not in ownership.unowned:
-                new = donating(x, d)
-            else:
-                new = fresh(x, d)
-            del x
-            self._write(new, owned=True)  # our own update's result
+        ownership.update(self, fresh, donating, d)
 
     def _check_arithmetic(self, what: str) -> None:
         if self._is_string:
@@ -360,7 +353,7 @@ class Variable(ArrayOps):
             isinstance(x, jax.Array)
             and not isinstance(x, Tracer)
             and x.committed  # an uncommitted array goes wherever the variable's is
-            and x.sharding.device_set != self._value.sharding.device_set
+            and x.sharding.device_set != ownership.peek(self).sharding.device_set
         ):
             return np.asarray(x)
         return x
@@ -433,7 +426,7 @@ class Variable(ArrayOps):
         if isinstance(new, Tracer) or trace is not EVAL and staging(trace):
             raise _traced_context_error(self._name)
         if not (placed or self._is_string):
-            old = self._value.sharding
+            old = ownership.peek(self).sharding
             if new.sharding != old:
                 new = jax.device_put(new, old)
         self._write(new, owned)
@@ -451,7 +444,7 @@ class _Detached(Variable):
     __slots__ = ()
 
     def value(self) -> Any:
-        return self._value
+        return ownership.peek(self)  # a pytree leaf (often a tracer), never donated
 
     read_value = value
 
@@ -474,8 +467,8 @@ def set_initial_value(var: Variable, value: Any) -> None:
             new = jnp.asarray(new)
     if tuple(new.shape) != var.shape:
         raise shape_error(var.name, var.shape, tuple(new.shape))
-    if isinstance(var._value, jax.ShapeDtypeStruct):
-        ownership.initial_overrides[id(var)] = new
+    if var._pending():
+        ownership.initial(var, new)
     else:
         var._write(new, owned=fresh(value, new))
 
