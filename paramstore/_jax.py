@@ -26,6 +26,7 @@ import jax
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info
 from jax._src.array import ArrayImpl as _ArrayImpl
+from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow import loops as _loops
 from jax._src.lib import xla_client as _xc
@@ -44,6 +45,7 @@ __all__ = [
     "in_trace",
     "pure_jaxpr",
     "put_on_device",
+    "vmap_home",
 ]
 
 Tracer = jax.core.Tracer
@@ -86,6 +88,25 @@ def ref_in(trace: Any, value: Any) -> Any:
 def tracer_in(trace: Any, const: Any) -> Any:
     """``const`` as a tracer of the staging ``trace``: a constant of its jaxpr."""
     return trace.to_jaxpr_tracer(const, _source_info.current())
+
+
+def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
+    """Where ``value`` can be written to a ref created outside the enclosing ``jax.vmap``
+    bodies: ``(trace, batched)``. ``trace`` is the innermost enclosing trace that is not a
+    vmap's (None when the current trace is not a vmap's: write where you are); ``batched``
+    says that ``value`` varies along one of those vmaps' batch axes (no single value to
+    write). JAX refuses any write to an unbatched ref from a vmap trace, even of a value
+    that does not depend on the batch. The walk stops at ``stop`` (the ref's own trace)."""
+    trace = current_trace()
+    home = None
+    while trace is not stop and isinstance(trace, _batching.BatchTrace):
+        if isinstance(value, _batching.BatchTracer) and value._trace is trace:
+            if value.batch_dim is not None:
+                return None, True
+            value = value.val
+        trace = trace.parent_trace
+        home = trace
+    return home, False
 
 
 @functools.lru_cache(maxsize=256)

@@ -48,6 +48,7 @@ from paramstore._jax import (
     staging,
     trace_of,
     tracer_in,
+    vmap_home,
 )
 from paramstore._ownership import ownership
 
@@ -109,14 +110,36 @@ class Frame:
             return self.values[key]
         return self._promote(key)[...]
 
-    def put(self, key: int, value: Any) -> None:
+    def put(self, key: int, value: Any, name: str = "", update: str = "") -> None:
+        """Bind ``value`` (``update``: the name of the op it results from, e.g.
+        ``assign_add``, which reads what it writes)."""
         ref = self.refs.get(key)
         if ref is None:
             if current_trace() is self.base:
                 self.values[key] = value
                 return
             ref = self._promote(key)
-        ref[...] = value
+        home, batched = vmap_home(value, self.base)
+        if batched:
+            raise TypeError(
+                f"Variable '{name}' was assigned a value that varies over the batch of an "
+                "enclosing jax.vmap, but a variable holds one value, not one per example. "
+                "Return the per-example values from the vmapped function and assign a "
+                "reduction of them outside it (e.g. v.assign(per_example.mean(axis=0))), or "
+                "vmap over ps.pure(fn, variables) to get one copy of the state per example."
+            )
+        if home is not None and update:
+            raise TypeError(
+                f"Cannot {update} variable '{name}' inside a jax.vmap body: run row by row, "
+                "as eager code would, it would apply once per example, which a vmapped "
+                "body cannot express. Sum the per-example deltas and apply them outside "
+                f"the vmap (v.{update}(deltas.sum(axis=0)))."
+            )
+        if home is None:
+            ref[...] = value
+        else:  # a batch-independent value: written once, in the trace around the vmaps
+            with in_trace(home):
+                ref[...] = value
 
     def _promote(self, key: int) -> Any:
         ref = self.refs[key] = ref_in(self.base, self.values[key])
@@ -216,7 +239,7 @@ def read(var: Variable) -> Any:
     return _lookup(stack, len(stack) - 1, var)
 
 
-def bind(var: Variable, value: Any) -> bool:
+def bind(var: Variable, value: Any, update: str = "") -> bool:
     """Rebind ``var`` in the innermost frame that owns it. False when no frame is active."""
     stack = ctx.frames
     if not stack:
@@ -240,7 +263,7 @@ def bind(var: Variable, value: Any) -> bool:
                     frame.vars[key] = var
             else:
                 frame.vars[key] = var
-        frame.put(key, value)
+        frame.put(key, value, var.name, update)
         frame.assigned[key] = var
         return True
     return False

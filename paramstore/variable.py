@@ -322,7 +322,7 @@ class Variable(ArrayOps):
             raise shape_error(self._name, self._shape, tuple(d.shape))
         if _trace.depth and _trace.active():  # traced: plain jnp ops, no nested jit
             op = jnp.add if how == "add" else jnp.subtract
-            self._swap(op(self.value(), d))
+            self._swap(op(self.value(), d), update=f"assign_{how[:3]}")
             return
         if current_trace() is not EVAL:
             raise _traced_context_error(self._name)
@@ -418,9 +418,10 @@ class Variable(ArrayOps):
         arr = arr.astype(dst)  # a copy, converted by NumPy the same way on every path
         return arr if host else jnp.asarray(arr)
 
-    def _swap(self, new: Any, placed: bool = False, owned: bool = True) -> None:
-        """Make ``new`` (checked by the caller) the value: in the active frame, or for real."""
-        if _trace.depth and _trace.bind(self, new):
+    def _swap(self, new: Any, placed: bool = False, owned: bool = True, update: str = "") -> None:
+        """Make ``new`` (checked by the caller) the value: in the active frame, or for real
+        (``update``: the op, e.g. ``assign_add``, when ``new`` is computed from the value)."""
+        if _trace.depth and _trace.bind(self, new, update):
             return
         trace = current_trace()
         if isinstance(new, Tracer) or trace is not EVAL and staging(trace):
