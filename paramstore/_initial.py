@@ -15,16 +15,18 @@ from paramstore._array_ops import ArrayOps, unwrap
 from paramstore._dtypes import (
     STRING,
     canonical_dtype,
+    dtype_error,
     is_key_dtype,
     is_text,
+    lossless,
     strong,
     tf_infer,
     to_strings,
 )
-from paramstore._jax import in_trace
+from paramstore._jax import Tracer, in_trace
 from paramstore._seed import naming
 
-__all__ = ["parse_initial", "fresh", "broadcasts"]
+__all__ = ["parse_initial", "fresh", "broadcasts", "flag"]
 
 
 def fresh(given: Any, new: Any) -> bool:
@@ -54,6 +56,7 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
         source = initial_value.value()
         if isinstance(source, np.ndarray):  # strings: host data
             return _strings(np.array(source, copy=True), full_name), True
+        _check_explicit(source, want, full_name)
         copied = jnp.array(source, copy=True)  # never share state
         return _cast(copied, want, full_name), True
     value = initial_value
@@ -64,11 +67,20 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
             if want is not None:
                 raise TypeError(f"Variable '{full_name}': a PRNG key array takes no dtype=.")
             return value, False
+        _check_explicit(value, want, full_name)
         return _cast(value, want, full_name), False
     if isinstance(value, (np.ndarray, np.generic)):
         if value.dtype.kind in "USOT":
             return _strings(np.asarray(value), full_name), True
+        _check_explicit(value, want, full_name)
         return strong(jnp.asarray(np.array(value, copy=True), dtype=want)), True
+    if want is not None and want.kind in "iub":  # as assign checks a Python value
+        try:
+            host = np.asarray(value)
+        except (TypeError, ValueError):
+            host = None
+        if host is not None and host.dtype.kind in "biuf":
+            _check_explicit(host, want, full_name, python_value=value)
     try:
         arr = tf_infer(value)
     except (TypeError, ValueError) as e:
@@ -84,6 +96,41 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
     if arr.dtype == STRING or arr.dtype.kind == "O":
         return _strings(arr, full_name), True
     return strong(jnp.asarray(arr, dtype=want)), True
+
+
+def flag(value: Any, name: str, where: str) -> bool:
+    """``value`` as a bool flag: a Python or NumPy bool only (``trainable="no"`` would be
+    truthy), else TypeError naming the flag."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"{where}: {name} must be a bool (True or False), got {type(value).__name__} {value!r:.40}."
+    )
+
+
+def _check_explicit(value: Any, want: Any, full_name: str, python_value: Any = None) -> None:
+    """Refuse an explicit ``dtype=`` that would change ``value``'s values, with the rules of
+    ``assign`` for a Python value: same-kind or widening casts only (no float into an
+    integer or bool variable, NaN and infinities included), integers within range."""
+    if want is None or want == STRING or is_key_dtype(value.dtype):
+        return
+    src = np.dtype(value.dtype)
+    if src.kind in "USOT":
+        return  # strings: a string variable (or its own error)
+    check = np.dtype(np.int64) if python_value is not None and src.kind in "iu" else src
+    if not lossless(check, want, weak=True):
+        raise dtype_error(full_name, src, want, "convert", python_value=python_value)
+    if want.kind in "iu" and src.kind in "iu" and not isinstance(value, Tracer) and value.size:
+        info = np.iinfo(want)
+        lo, hi = int(value.min()), int(value.max())
+        if lo < info.min or hi > info.max:
+            shown = (
+                f"{python_value!r:.40}" if python_value is not None else f"values in [{lo}, {hi}]"
+            )
+            raise TypeError(
+                f"Cannot make variable '{full_name}' of dtype {want.name} from {shown}: out of "
+                f"range [{info.min}, {info.max}]. Pass values that fit, or another dtype."
+            )
 
 
 def _strings(arr: np.ndarray, full_name: str) -> np.ndarray:

@@ -46,6 +46,7 @@ __all__ = [
     "pure_jaxpr",
     "put_on_device",
     "vmap_home",
+    "in_while_cond",
 ]
 
 Tracer = jax.core.Tracer
@@ -107,6 +108,18 @@ def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
         trace = trace.parent_trace
         home = trace
     return home, False
+
+
+def in_while_cond(stop: Any) -> bool:
+    """Whether the current trace, below ``stop``, is a ``lax.while_loop`` condition's."""
+    trace = current_trace()
+    while trace is not None and trace is not stop and trace is not EVAL:
+        if isinstance(trace, _STAGING):
+            info = trace.frame.debug_info
+            if info is not None and info.traced_for == "while_cond":
+                return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 @functools.lru_cache(maxsize=256)

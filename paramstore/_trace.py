@@ -44,6 +44,7 @@ from paramstore._jax import (
     Tracer,
     current_trace,
     in_trace,
+    in_while_cond,
     ref_in,
     staging,
     trace_of,
@@ -119,6 +120,14 @@ class Frame:
                 self.values[key] = value
                 return
             ref = self._promote(key)
+        if in_while_cond(self.base):
+            raise TypeError(
+                f"Variable '{name}' was assigned in a jax.lax.while_loop condition. JAX "
+                "evaluates a condition a number of times of its own choosing while tracing "
+                "and running the loop, so the assign could not happen as often as eager "
+                "code would. Assign it in the loop body (or before the loop) and only read "
+                "variables in the condition."
+            )
         home, batched = vmap_home(value, self.base)
         if batched:
             raise TypeError(

@@ -55,6 +55,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
+from paramstore._initial import flag
 from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, pure_jaxpr, staging
 from paramstore._ownership import ownership
 from paramstore._store import default_store
@@ -180,6 +181,7 @@ class Function:
     ) -> None:
         if not callable(fn):
             raise TypeError(f"ps.function expects a callable, got {type(fn).__name__}.")
+        flag(donate, "donate", "ps.function")
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._name: str = getattr(fn, "__name__", type(fn).__name__)

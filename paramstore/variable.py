@@ -56,7 +56,7 @@ from paramstore._dtypes import (
     strong,
     to_strings,
 )
-from paramstore._initial import broadcasts, fresh, parse_initial
+from paramstore._initial import broadcasts, flag, fresh, parse_initial
 from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, staging
 from paramstore._ownership import ownership
 from paramstore._placement import place, placement
@@ -143,6 +143,8 @@ class Variable(ArrayOps):
             )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"A variable's name must be a str, got {type(name).__name__}.")
+        if trainable is not None:
+            flag(trainable, "trainable", f"ps.Variable({name!r})" if name else "ps.Variable")
         _trace.check_create()
         store = default_store()
         base = None

@@ -450,3 +450,24 @@ def test_assign_add_inside_a_vmap_body_is_a_clear_error():
     with pytest.raises(TypeError, match=r"assign_add variable 'count' inside a jax.vmap.*sum"):
         f(jnp.ones((4, 3)))
     assert float(n) == 0.0
+
+
+def test_an_assign_in_a_while_loop_condition_is_a_clear_error():
+    n = ps.Variable(0.0, name="evaluations")
+    i = ps.Variable(0.0, name="i")
+
+    def cond(_):
+        n.assign_add(1.0)
+        return i.value() < 3
+
+    def body(c):
+        i.assign_add(1.0)
+        return c
+
+    f = ps.function(lambda: jax.lax.while_loop(cond, body, 0))
+    with pytest.raises(TypeError, match=r"'evaluations' was assigned in a jax.lax.while_loop cond"):
+        f()
+    assert float(n) == 0.0 and float(i) == 0.0
+    with pytest.raises(TypeError):  # eagerly too: an assign inside a JAX trace
+        jax.lax.while_loop(cond, body, 0)
+    assert float(n) == 0.0 and float(i) == 0.0
