@@ -123,14 +123,12 @@ def test_reuse_variables_inside_a_variable_scope():
         scope.reuse_variables()
         assert scope.reuse is True
         assert ps.get_variable("w", shape=(2,)) is w
-        with ps.variable_scope("inner"):  # inherited
-            with pytest.raises(ValueError, match="does not exist"):
-                ps.get_variable("v", shape=(2,))
+        with ps.variable_scope("inner"), pytest.raises(ValueError, match="does not exist"):
+            ps.get_variable("v", shape=(2,))  # reuse inherited
         with pytest.raises(ValueError, match="does not exist"):
             ps.get_variable("missing", shape=(2,))
-    with ps.variable_scope("layer"):  # a new block: reuse is off again
-        with pytest.raises(ValueError, match="already exists"):
-            ps.get_variable("w", shape=(2,))
+    with ps.variable_scope("layer"), pytest.raises(ValueError, match="already exists"):
+        ps.get_variable("w", shape=(2,))  # a new block: reuse is off again
     with pytest.raises(RuntimeError, match="outside its with-block"):
         scope.reuse_variables()
 
