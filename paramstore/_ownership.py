@@ -166,6 +166,12 @@ class Ownership:
             self.cached = None
             holder.last = ((), ())
 
+    def drop(self, step: Step) -> None:
+        """Forget ``step`` (its function dropped it): its cached inputs are released."""
+        with self.lock:
+            if self.cached is step:
+                self.release_cached()
+
     def step_inputs(self, step: Step) -> tuple[list[Any], list[Any]]:
         """The donated and read-only inputs of ``step`` (hold the lock): a given donated
         array is replaced by a private copy."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -65,6 +66,7 @@ from paramstore.variable import Variable, VariableSlice
 __all__ = ["function", "Function"]
 
 _HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
+_CLOCK = itertools.count()  # ticks for least-recently-used eviction of traces
 
 
 def _is_ref(x: Any) -> bool:
@@ -140,8 +142,10 @@ class _Entry:
         self.steady = not shared
         self.version = -1
         self.last: tuple[Any, Any] = ((), ())
+        self.tick = next(_CLOCK)  # when last called, for least-recently-used eviction
 
     def __call__(self, leaves: list[Any]) -> Any:
+        self.tick = next(_CLOCK)  # ~40 ns
         trace = current_trace()
         if trace is not EVAL and self.touches and (self.assigned or staging(trace)):
             self._transformed()
@@ -169,7 +173,13 @@ class _Entry:
 
 
 class Function:
-    """A compiled stateful function; see the module docstring. ``trace_count`` counts traces."""
+    """A compiled stateful function; see the module docstring. ``trace_count`` counts traces.
+
+    It keeps at most ``max_traces`` traced signatures (each with its compiled program);
+    beyond that the least recently called one is dropped (and traced again if called
+    again). ``clear_cache()`` drops them all."""
+
+    max_traces = 64
 
     def __init__(
         self,
@@ -271,6 +281,24 @@ class Function:
             self._fast[(len(args), *(a.aval for a in args))] = entry
         return entry(leaves)
 
+    def clear_cache(self) -> None:
+        """Drop every trace and compiled program of this function (and of its methods'
+        per-instance copies). Variables are untouched; the next call traces again, and
+        creating a variable then is the usual non-first-trace error."""
+        with self._lock:
+            for key in list(self._cache):
+                self._evict(key)
+            for bound in list(self._instances.values()):
+                bound.clear_cache()
+
+    def _evict(self, key: Any) -> None:
+        entry = self._cache.pop(key, None)
+        if entry is None:
+            return
+        for fast_key in [k for k, e in self._fast.items() if e is entry]:
+            del self._fast[fast_key]
+        ownership.drop(entry)
+
     def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
         nums, names = self._static_argnums, self._static_argnames
         dyn_args = tuple(None if i in nums else a for i, a in enumerate(args))
@@ -347,6 +375,8 @@ class Function:
         entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
         self._cache[key] = entry
         self.trace_count += 1
+        if len(self._cache) > self.max_traces:
+            self._evict(min(self._cache, key=lambda k: self._cache[k].tick))
         return entry
 
     def _lift(

@@ -514,3 +514,73 @@ def test_importing_paramstore_does_not_start_the_xla_backend():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------------------ the trace cache
+
+
+def test_the_trace_cache_is_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr(ps.Function, "max_traces", 3)
+    v = ps.Variable(jnp.zeros(()))
+
+    @ps.function
+    def f(x):
+        v.assign_add(x.sum())
+        return x
+
+    for n in (1, 2, 3):
+        f(jnp.ones(n))
+    assert f.trace_count == 3
+    f(jnp.ones(1))  # now 2 is the least recently used
+    f(jnp.ones(4))  # evicts 2
+    assert f.trace_count == 4 and len(f._cache) == 3
+    f(jnp.ones(1))
+    f(jnp.ones(3))
+    assert f.trace_count == 4  # still kept
+    f(jnp.ones(2))
+    assert f.trace_count == 5  # traced again
+    assert float(v.numpy()) == 1 + 2 + 3 + 1 + 4 + 1 + 3 + 2
+
+
+def test_clear_cache_drops_every_trace_and_keeps_the_variables():
+    v = ps.Variable(jnp.zeros(3))
+
+    @ps.function
+    def step(x):
+        v.assign_add(x)
+
+    step(jnp.ones(3))
+    step(jnp.ones(3))
+    step.clear_cache()
+    assert step._cache == {} and step._fast == {}
+    np.testing.assert_array_equal(v.numpy(), np.full(3, 2.0))
+    step(jnp.ones(3))  # traces again
+    assert step.trace_count == 2
+    np.testing.assert_array_equal(v.numpy(), np.full(3, 3.0))
+
+    @ps.function
+    def make(x):
+        return ps.Variable(jnp.zeros(2)).value() + x
+
+    make(1.0)
+    make.clear_cache()
+    with pytest.raises(ValueError, match="non-first trace"):
+        make(1.0)
+
+
+def test_clear_cache_on_a_method_clears_every_instance():
+    class Counter(ps.Module):
+        def __init__(self):
+            self.n = ps.Variable(0.0)
+
+        @ps.function
+        def bump(self):
+            self.n.assign_add(1.0)
+
+    a, b = Counter(), Counter()
+    a.bump()
+    b.bump()
+    Counter.bump.clear_cache()
+    assert a.bump.trace_count == 1 and a.bump._cache == {}
+    a.bump()
+    assert float(a.n) == 2.0 and a.bump.trace_count == 2
