@@ -23,15 +23,38 @@ import functools
 from typing import Any
 
 import jax
-from jax._src import core as _core
-from jax._src import source_info_util as _source_info
-from jax._src.array import ArrayImpl as _ArrayImpl
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.lax.control_flow import loops as _loops
-from jax._src.lib import xla_client as _xc
-from jax._src.state import discharge as _discharge
-from jax._src.state.types import AbstractRef, WriteEffect
+
+# The tested range (pyproject's `jax>=0.10,<0.11`): the internals below and the while_loop
+# discharge rule registered for the whole process are written against it.
+SUPPORTED = ((0, 10), (0, 11))
+
+
+def check_version(version: str) -> None:
+    """ImportError unless ``version`` (``jax.__version__``) is in the tested range."""
+    try:
+        found = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        found = (-1, -1)
+    if not SUPPORTED[0] <= found < SUPPORTED[1]:
+        lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+        raise ImportError(
+            f"paramstore needs jax >= {lo}, < {hi} (the versions it is tested with: it uses "
+            f"JAX internals that change between releases); found jax {version}. Install a "
+            f"supported one: pip install 'jax>={lo},<{hi}'."
+        )
+
+
+check_version(jax.__version__)
+
+from jax._src import core as _core  # noqa: E402
+from jax._src import source_info_util as _source_info  # noqa: E402
+from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax._src.lax.control_flow import loops as _loops  # noqa: E402
+from jax._src.lib import xla_client as _xc  # noqa: E402
+from jax._src.state import discharge as _discharge  # noqa: E402
+from jax._src.state.types import AbstractRef, WriteEffect  # noqa: E402
 
 __all__ = [
     "ARRAY_TYPE",
@@ -47,6 +70,8 @@ __all__ = [
     "put_on_device",
     "vmap_home",
     "in_while_cond",
+    "init_program",
+    "device_assignment",
 ]
 
 Tracer = jax.core.Tracer
@@ -108,6 +133,19 @@ def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
         trace = trace.parent_trace
         home = trace
     return home, False
+
+
+def init_program(jaxpr: Any, used_out: list[bool]) -> tuple[Any, list[bool]]:
+    """``jaxpr`` (an open jaxpr) with its constants turned into leading inputs, cut down
+    to the computation of the outputs marked in ``used_out``; and which inputs (constants
+    first) that computation uses."""
+    with_consts = _pe.convert_constvars_jaxpr(jaxpr)
+    return _pe.dce_jaxpr(with_consts, used_out)  # type: ignore[no-any-return]
+
+
+def device_assignment(sharding: Any) -> list[Any]:
+    """The devices of ``sharding`` in its own order (``Sharding._device_assignment``)."""
+    return list(sharding._device_assignment)
 
 
 def in_while_cond(stop: Any) -> bool:

@@ -52,12 +52,11 @@ from typing import Any
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
-from jax._src.interpreters import partial_eval as pe
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
 from paramstore._initial import flag
-from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, pure_jaxpr, staging
+from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, init_program, pure_jaxpr, staging
 from paramstore._ownership import ownership
 from paramstore._store import default_store
 from paramstore.module import Module
@@ -500,9 +499,8 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     jaxpr = closed.jaxpr
     n_out, n_created = len(jaxpr.outvars), len(created)
     names = ", ".join(f"'{v.name}'" for v, _ in created)
-    with_consts = pe.convert_constvars_jaxpr(jaxpr)
     used_out = [False] * (n_out - n_created) + [True] * n_created
-    init, used_in = pe.dce_jaxpr(with_consts, used_out)
+    init, used_in = init_program(jaxpr, used_out)
     n_consts = len(jaxpr.constvars)
     if any(used_in[n_consts:]):
         for var, _ in created:

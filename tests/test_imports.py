@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import os
+import subprocess
+import sys
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -460,3 +463,33 @@ def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
     assert not writes, f"write variables through paramstore._ownership: {writes}"
     extra = {p: ls for p, ls in reads.items() if len(ls) > LEGACY_READS.get(p, 0)}
     assert not extra, f"read variables through ownership.hand_out / peek: {extra}"
+
+
+def test_jax_internals_are_used_in_paramstore_jax_only():
+    users = sorted(
+        path.relative_to(PACKAGE_DIR.parent).as_posix()
+        for path in PACKAGE_DIR.rglob("*.py")
+        if path.name != "_jax.py" and "jax._src" in path.read_text()
+    )
+    assert users == [], f"move these jax._src uses into paramstore/_jax.py: {users}"
+
+
+@pytest.mark.parametrize("version", ["0.9.2", "0.11.0", "1.0.0", "dev"])
+def test_an_untested_jax_version_is_a_clear_import_error(version):
+    code = (
+        "import jax\n"
+        f"jax.__version__ = {version!r}\n"
+        "try:\n"
+        "    import paramstore\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=PACKAGE_DIR.parent,
+        env={**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)},
+    ).stdout
+    assert f"found jax {version}" in out and "pip install 'jax>=0.10,<0.11'" in out
