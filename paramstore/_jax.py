@@ -71,6 +71,7 @@ __all__ = [
     "vmap_home",
     "in_while_cond",
     "init_program",
+    "in_shard_map",
     "device_assignment",
 ]
 
@@ -148,16 +149,25 @@ def device_assignment(sharding: Any) -> list[Any]:
     return list(sharding._device_assignment)
 
 
-def in_while_cond(stop: Any) -> bool:
-    """Whether the current trace, below ``stop``, is a ``lax.while_loop`` condition's."""
+def _traced_for(stop: Any, what: str) -> bool:
     trace = current_trace()
     while trace is not None and trace is not stop and trace is not EVAL:
         if isinstance(trace, _STAGING):
             info = trace.frame.debug_info
-            if info is not None and info.traced_for == "while_cond":
+            if info is not None and info.traced_for == what:
                 return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def in_while_cond(stop: Any) -> bool:
+    """Whether the current trace, below ``stop``, is a ``lax.while_loop`` condition's."""
+    return _traced_for(stop, "while_cond")
+
+
+def in_shard_map(stop: Any) -> bool:
+    """Whether the current trace, below ``stop``, is a ``jax.shard_map`` body's."""
+    return _traced_for(stop, "shard_map")
 
 
 @functools.lru_cache(maxsize=256)

@@ -43,6 +43,7 @@ from paramstore._jax import (
     EVAL,
     Tracer,
     current_trace,
+    in_shard_map,
     in_trace,
     in_while_cond,
     ref_in,
@@ -104,12 +105,23 @@ class Frame:
             self.vars[id(var)] = var
 
     def get(self, key: int) -> Any:
-        ref = self.refs.get(key)
-        if ref is not None:
-            return ref[...]
         if current_trace() is self.base:
-            return self.values[key]
-        return self._promote(key)[...]
+            ref = self.refs.get(key)
+            return self.values[key] if ref is None else ref[...]
+        self._check_nested(key, "read")
+        ref = self.refs.get(key)
+        return (ref if ref is not None else self._promote(key))[...]
+
+    def _check_nested(self, key: int, what: str) -> None:
+        if in_shard_map(self.base):
+            var = self.vars.get(key)
+            name = var.name if var is not None else "?"
+            raise TypeError(
+                f"Variable '{name}' was {what} inside a jax.shard_map body, where each "
+                "device sees its own shard and a variable's single value cannot be read or "
+                "written. Pass its value in as an argument of the shard_map "
+                "(v.value()) and assign the result outside the body."
+            )
 
     def put(self, key: int, value: Any, name: str = "", update: str = "") -> None:
         """Bind ``value`` (``update``: the name of the op it results from, e.g.
@@ -120,6 +132,7 @@ class Frame:
                 self.values[key] = value
                 return
             ref = self._promote(key)
+        self._check_nested(key, "assigned")
         if in_while_cond(self.base):
             raise TypeError(
                 f"Variable '{name}' was assigned in a jax.lax.while_loop condition. JAX "

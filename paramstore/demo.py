@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return loss
 
         @ps.function
-        def predict(x: jax.Array) -> jax.Array:
+        def predict(x: jax.Array | np.ndarray) -> jax.Array:
             return jnp.argmax(model(x), axis=-1)
 
         rng = np.random.default_rng(args.seed)

@@ -47,11 +47,12 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+from jax.sharding import Sharding
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
@@ -62,7 +63,13 @@ from paramstore._store import default_store
 from paramstore.module import Module
 from paramstore.variable import Variable, VariableSlice
 
-__all__ = ["function", "Function"]
+__all__ = ["function", "Function", "Shardings"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# in_shardings / out_shardings: one Sharding for every array, or a pytree prefix of the
+# positional arguments (of the result) with a Sharding or None (unspecified) at its leaves.
+Shardings = Sharding | None | tuple[Any, ...] | list[Any] | dict[str, Any]
 
 _HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
 _CLOCK = itertools.count()  # ticks for least-recently-used eviction of traces
@@ -171,7 +178,7 @@ class _Entry:
         return all(r() is leaves[i] for r, i in zip(self.refs, self.ref_pos))
 
 
-class Function:
+class Function(Generic[P, R]):
     """A compiled stateful function; see the module docstring. ``trace_count`` counts traces.
 
     It keeps at most ``max_traces`` traced signatures (each with its compiled program);
@@ -182,11 +189,13 @@ class Function:
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         static_argnums: int | Iterable[int] = (),
         static_argnames: str | Iterable[str] = (),
         donate: bool = True,
+        in_shardings: Shardings = None,
+        out_shardings: Shardings = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"ps.function expects a callable, got {type(fn).__name__}.")
@@ -195,6 +204,8 @@ class Function:
         self._fn = fn
         self._name: str = getattr(fn, "__name__", type(fn).__name__)
         self._donate = bool(donate)
+        self._in_shardings = in_shardings
+        self._out_shardings = out_shardings
         self._static_argnums, self._static_argnames = _static_args(
             fn, static_argnums, static_argnames
         )
@@ -202,12 +213,12 @@ class Function:
         self._fast: dict[tuple[Any, ...], _Entry] = {}  # (n, *avals) of all-array calls
         self._simple = not (self._static_argnums or self._static_argnames)
         self._bound: weakref.ref[Any] | None = None
-        self._instances: dict[int, Function] = {}
+        self._instances: dict[int, Function[..., R]] = {}
         self._lock = threading.RLock()
         self.trace_count = 0
 
     # -- methods: one Function per instance, as tf.function does
-    def __get__(self, instance: Any, owner: Any = None) -> Function:
+    def __get__(self, instance: Any, owner: Any = None) -> Function[..., R]:
         if instance is None:
             return self
         key = id(instance)
@@ -218,6 +229,8 @@ class Function:
                 static_argnums=self._static_argnums,
                 static_argnames=self._static_argnames,
                 donate=self._donate,
+                in_shardings=self._in_shardings,
+                out_shardings=self._out_shardings,
             )
             bound._bound = weakref.ref(instance)
             bound._simple = False  # the instance is passed first: the general path
@@ -225,18 +238,20 @@ class Function:
             weakref.finalize(instance, self._instances.pop, key, None)
         return bound
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Function:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Function[P, R]:
         """A new compiled function of the same Python function (its traces are not shared)."""
         new = Function(
             self._fn,
             static_argnums=self._static_argnums,
             static_argnames=self._static_argnames,
             donate=self._donate,
+            in_shardings=self._in_shardings,
+            out_shardings=self._out_shardings,
         )
         memo[id(self)] = new
         return new
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._simple and not kwargs and not _trace.depth:
             # The common call: arrays only, no static arguments, no frame anywhere. Keyed
             # on the avals alone; the general path below costs ~5 us more per call.
@@ -244,18 +259,49 @@ class Function:
             for a in args:
                 if type(a) is not ARRAY_TYPE:
                     break
-                fast.append(a.aval)
+                fast.append(a.aval)  # type: ignore[attr-defined]
             else:
                 entry = self._fast.get(tuple(fast))
                 if entry is not None:
-                    return entry(list(args))
+                    return entry(list(args))  # type: ignore[no-any-return]
         if self._bound is not None:
             instance = self._bound()
             if instance is None:
                 raise ReferenceError("The object this ps.function method is bound to is gone.")
-            args = (instance, *args)
+            args = (instance, *args)  # type: ignore[assignment]
         if _trace.active():
             return self._fn(*args, **kwargs)  # inside another ps.function or ps.pure: inline
+        entry, leaves, fast_key = self._entry(tuple(args), dict(kwargs))
+        if fast_key is not None:
+            self._fast[fast_key] = entry
+        return entry(leaves)  # type: ignore[no-any-return]
+
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """JAX's ``Lowered`` for the program a call with these arguments runs (its
+        ``as_text()``, ``compile()``, ``cost_analysis()``...), without running it or
+        changing a variable (a first call's trace may still create variables)."""
+        if self._bound is not None:
+            instance = self._bound()
+            if instance is None:
+                raise ReferenceError("The object this ps.function method is bound to is gone.")
+            args = (instance, *args)  # type: ignore[assignment]
+        entry, leaves, _ = self._entry(tuple(args), dict(kwargs))
+        if entry.ref_pos:
+            leaves = [leaves[i] for i in entry.array_pos]
+
+        def spec(v: Variable) -> jax.ShapeDtypeStruct:
+            x = ownership.peek(v)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        return entry.runner.lower(  # type: ignore[attr-defined]
+            [spec(v) for v in entry.donated], [spec(v) for v in entry.readonly], leaves
+        )
+
+    def _entry(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Entry, list[Any], tuple[Any, ...] | None]:
+        """The traced entry for these arguments (traced now if new), the flat leaves to
+        call it with, and its fast-path key (None when the call does not qualify)."""
         if self._static_argnums or self._static_argnames:
             dyn, static = self._split(args, kwargs)
         else:
@@ -277,8 +323,8 @@ class Function:
             and not entry.ref_pos
             and all(type(a) is ARRAY_TYPE for a in args)
         ):
-            self._fast[(len(args), *(a.aval for a in args))] = entry
-        return entry(leaves)
+            return entry, leaves, (len(args), *(a.aval for a in args))
+        return entry, leaves, None
 
     def clear_cache(self) -> None:
         """Drop every trace and compiled program of this function (and of its methods'
@@ -371,7 +417,9 @@ class Function:
             result["assigned"],
             [*(ownership.peek(v) for v, _ in frame.captured.values()), *arrays],
         )
-        entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
+        entry = self._lift(
+            closed, frame, result, ref_pos, list(refs.values()), len(leaves), treedef
+        )
         self._cache[key] = entry
         self.trace_count += 1
         if len(self._cache) > self.max_traces:
@@ -386,6 +434,7 @@ class Function:
         ref_pos: list[int],
         refs: list[Any],
         n_leaves: int,
+        treedef: Any,
     ) -> _Entry:
         """Turn the variables' constants (and created variables' initial values) into
         inputs; build the runner."""
@@ -468,10 +517,16 @@ class Function:
         kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
         shared = _shared(moved, assigned, new_vars, kept)
         donate = self._donate and bool(donated) and not wait
+        arg_sh = self._leaf_shardings(self._in_shardings, treedef, n_leaves, ref_pos, True)
+        out_sh = self._leaf_shardings(self._out_shardings, result["out_tree"], n_out, [], False)
+        has_keep = any(sh is not None for sh in keep)
         runner = jax.jit(
             run,
             donate_argnums=(0,) if donate else (),
-            out_shardings=(keep, None) if any(sh is not None for sh in keep) else None,
+            in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
+            out_shardings=(keep if has_keep else None, out_sh)
+            if has_keep or out_sh is not None
+            else None,
         )
         return _Entry(
             f"ps.function '{self._name}'",
@@ -487,6 +542,48 @@ class Function:
             wait,
             shared,
         )
+
+    def _leaf_shardings(
+        self, spec: Shardings, tree: Any, n: int, skip: list[int], args: bool
+    ) -> list[Any] | None:
+        """``spec`` (``in_shardings``: over the positional arguments; ``out_shardings``:
+        over the result) as one Sharding or None per flat leaf, leaves in ``skip``
+        (Variables/Modules passed as arguments) left out; None for no spec."""
+        if spec is None or tree is None:
+            return None
+        which = "in_shardings" if args else "out_shardings"
+        if isinstance(spec, Sharding):
+            per_leaf: list[Any] = [spec] * n
+        else:
+            example = jax.tree_util.tree_unflatten(tree, list(range(n)))
+            target = example[0] if args else example  # (args, kwargs) for arguments
+            per_leaf = [None] * n
+            is_spec = lambda x: x is None or isinstance(x, Sharding)  # noqa: E731
+            try:
+                pairs = jax.tree_util.tree_map(
+                    lambda sh, sub: [(i, sh) for i in jax.tree_util.tree_leaves(sub)],
+                    spec,
+                    target,
+                    is_leaf=is_spec,
+                )
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    f"{which} of ps.function '{self._name}' must be a Sharding, or a pytree "
+                    "prefix of the "
+                    + ("positional arguments" if args else "result")
+                    + f" with a Sharding or None at each leaf: {e}"
+                ) from None
+            for i, sh in itertools.chain.from_iterable(
+                jax.tree_util.tree_leaves(pairs, is_leaf=lambda x: isinstance(x, list))
+            ):
+                if sh is not None and not isinstance(sh, Sharding):
+                    raise TypeError(
+                        f"{which} of ps.function '{self._name}': expected a "
+                        f"jax.sharding.Sharding or None, got {type(sh).__name__}."
+                    )
+                per_leaf[i] = sh
+        skipped = set(skip)
+        return [sh for i, sh in enumerate(per_leaf) if i not in skipped]
 
     def __repr__(self) -> str:
         return f"<ps.function {getattr(self, '__qualname__', self._fn)!s}>"
@@ -599,21 +696,57 @@ def _static_args(
     return frozenset(num_set), frozenset(name_set)
 
 
+@overload
 def function(
-    fn: Callable[..., Any] | None = None,
+    fn: Callable[P, R],
     *,
     static_argnums: int | Iterable[int] = (),
     static_argnames: str | Iterable[str] = (),
     donate: bool = True,
-) -> Any:
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+) -> Function[P, R]: ...
+
+
+@overload
+def function(
+    fn: None = None,
+    *,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+    donate: bool = True,
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+) -> Callable[[Callable[P, R]], Function[P, R]]: ...
+
+
+def function(
+    fn: Callable[P, R] | None = None,
+    *,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+    donate: bool = True,
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+) -> Function[P, R] | Callable[[Callable[P, R]], Function[P, R]]:
     """Compile ``fn`` with ``jax.jit``, reading and updating Variables like eager code.
 
     Use as ``@ps.function``, ``@ps.function(static_argnums=...)`` or ``ps.function(fn, ...)``.
+    The result keeps ``fn``'s signature for type checkers (``Function[P, R]``).
+    ``in_shardings`` / ``out_shardings`` go to ``jax.jit`` for the arguments that are not
+    Variables or Modules and for the results: one ``Sharding`` for all, or a pytree prefix
+    of the positional arguments (of the result) with a ``Sharding`` or None (unspecified)
+    at each leaf. Variables keep their own placement.
     """
-    if fn is None:
-        return lambda f: Function(
-            f, static_argnums=static_argnums, static_argnames=static_argnames, donate=donate
+
+    def make(f: Callable[P, R]) -> Function[P, R]:
+        return Function(
+            f,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate=donate,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
         )
-    return Function(
-        fn, static_argnums=static_argnums, static_argnames=static_argnames, donate=donate
-    )
+
+    return make if fn is None else make(fn)
