@@ -584,3 +584,80 @@ def test_clear_cache_on_a_method_clears_every_instance():
     assert a.bump.trace_count == 1 and a.bump._cache == {}
     a.bump()
     assert float(a.n) == 2.0 and a.bump.trace_count == 2
+
+
+# ------------------------------------------------- shardings, lower, shard_map, typing
+
+
+def test_in_and_out_shardings_go_to_jit_for_arrays():
+    dev = jax.devices()[0]
+    one = jax.sharding.SingleDeviceSharding(dev)
+    v = ps.Variable(jnp.zeros(3))
+
+    @ps.function(in_shardings=(one, None), out_shardings={"y": one})
+    def f(x, z):
+        v.assign_add(x)
+        return {"y": x * 2 + z}
+
+    out = f(np.ones(3, np.float32), jnp.ones(3))
+    assert out["y"].sharding == one
+    np.testing.assert_array_equal(out["y"], np.full(3, 3.0))
+    np.testing.assert_array_equal(v.numpy(), np.ones(3))
+    g = ps.function(lambda x: x + v, in_shardings=one, out_shardings=one)
+    assert g(jnp.ones(3)).sharding == one
+
+
+def test_bad_shardings_are_clear_errors():
+    v = ps.Variable(jnp.zeros(3))
+    f = ps.function(lambda x: v.assign_add(x, read_value=False), in_shardings=("not",))
+    with pytest.raises(TypeError, match=r"in_shardings of ps.function '<lambda>'.*got str"):
+        f(jnp.ones(3))
+    np.testing.assert_array_equal(v.numpy(), np.zeros(3))
+
+
+def test_lower_returns_the_lowered_program_without_running_it():
+    v = ps.Variable(jnp.zeros(4))
+
+    @ps.function
+    def step(x):
+        v.assign_add(x)
+        return x.sum()
+
+    step(jnp.ones(4))
+    before = ownership.peek(v)
+    lowered = step.lower(jnp.ones(4))
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert "add" in lowered.as_text()
+    assert ownership.peek(v) is before and not before.is_deleted()
+    np.testing.assert_array_equal(v.numpy(), np.ones(4))
+    compiled = lowered.compile()
+    assert compiled is not None and step.trace_count == 1
+
+
+def test_a_variable_inside_a_shard_map_body_is_a_clear_error():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    spec = jax.sharding.PartitionSpec()
+    v = ps.Variable(jnp.ones(2), name="w")
+
+    @ps.function
+    def read(x):
+        return jax.shard_map(lambda a: a * v.value(), mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+    @ps.function
+    def write(x):
+        def body(a):
+            v.assign(a)
+            return a
+
+        return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+    for f, what in ((read, "read"), (write, "assigned")):
+        with pytest.raises(TypeError, match=rf"'w' was {what} inside a jax.shard_map body.*value"):
+            f(jnp.full(2, 3.0))
+        np.testing.assert_array_equal(v.numpy(), np.ones(2))
+    ok = ps.function(
+        lambda x: jax.shard_map(lambda a, w: a * w, mesh=mesh, in_specs=spec, out_specs=spec)(
+            x, v.value()
+        )
+    )
+    np.testing.assert_array_equal(ok(jnp.full(2, 3.0)), np.full(2, 3.0))
