@@ -493,3 +493,25 @@ def test_an_untested_jax_version_is_a_clear_import_error(version):
         env={**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)},
     ).stdout
     assert f"found jax {version}" in out and "pip install 'jax>=0.10,<0.11'" in out
+
+
+ARCHITECTURE = PACKAGE_DIR.parent / "docs" / "architecture.md"
+
+
+def test_the_architecture_page_draws_this_layer_table_and_every_module():
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    rows = []
+    for line in text.split("## Layers", 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[1].startswith("`"):
+            rows.append((cells[0], [m.strip().strip("`") for m in cells[1].split(",")]))
+    assert rows == LAYERS, f"update the layer table in {ARCHITECTURE} (or LAYERS)"
+    described = {
+        line[3:].split("`", 1)[0]
+        for line in text.split("## Modules", 1)[1].splitlines()
+        if line.startswith("- `")
+    }
+    modules = {module_name(p).removeprefix(f"{PACKAGE}.") for p in package_sources()}
+    modules = {m if m != PACKAGE else "__init__" for m in modules}
+    assert not modules - described, f"add a line for each to {ARCHITECTURE}: {modules - described}"
+    assert not described - modules, f"modules that no longer exist: {described - modules}"
