@@ -37,7 +37,7 @@ def fresh(given: Any, new: Any) -> bool:
     return True
 
 
-def broadcasts(src: tuple, dst: tuple) -> bool:
+def broadcasts(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
     try:
         return np.broadcast_shapes(src, dst) == tuple(dst)
     except ValueError:

@@ -209,7 +209,7 @@ class Ownership:
         with self.lock:
             don = [self.hand_out(v) for v in step.donated]
             ro = [self.hand_out(v) for v in step.readonly]
-        new, out = jax.block_until_ready(step.runner(don, ro, leaves))
+        new, out = jax.block_until_ready(step.runner(don, ro, leaves))  # type: ignore[no-untyped-call]
         with self.lock:
             if new or step.shared:
                 self.write_many(step.assigned, new, step.shared)

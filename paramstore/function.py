@@ -291,7 +291,7 @@ class Function(Generic[P, R]):
 
         def spec(v: Variable) -> jax.ShapeDtypeStruct:
             x = ownership.peek(v)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # type: ignore[no-untyped-call]
 
         return entry.runner.lower(  # type: ignore[attr-defined]
             [spec(v) for v in entry.donated], [spec(v) for v in entry.readonly], leaves
@@ -344,7 +344,7 @@ class Function(Generic[P, R]):
             del self._fast[fast_key]
         ownership.drop(entry)
 
-    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
         nums, names = self._static_argnums, self._static_argnames
         dyn_args = tuple(None if i in nums else a for i, a in enumerate(args))
         dyn_kw = {k: v for k, v in kwargs.items() if k not in names}
@@ -354,7 +354,7 @@ class Function(Generic[P, R]):
         )
         return (dyn_args, dyn_kw), static
 
-    def _unhashable_message(self, static: tuple) -> str:
+    def _unhashable_message(self, static: tuple[Any, ...]) -> str:
         for where, value in [*static[0], *static[1]]:
             try:
                 hash(value)
@@ -368,7 +368,7 @@ class Function(Generic[P, R]):
                 )
         return f"An argument of {self._name}() is unhashable."
 
-    def _merge(self, dyn: Any, static: tuple) -> tuple[list[Any], dict[str, Any]]:
+    def _merge(self, dyn: Any, static: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs = list(dyn[0]), dict(dyn[1])
         if static:
             for i, v in static[0]:
@@ -376,7 +376,9 @@ class Function(Generic[P, R]):
             kwargs.update(static[1])
         return args, kwargs
 
-    def _trace_signature(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
+    def _trace_signature(
+        self, key: Any, leaves: list[Any], treedef: Any, static: tuple[Any, ...]
+    ) -> _Entry:
         owner = f"ps.function '{self._name}'"
         frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=self.trace_count == 0)
         ref_pos = [i for i, x in enumerate(leaves) if _is_ref(x)]

@@ -95,7 +95,7 @@ class Generator:
         with STATE_LOCK:  # eagerly: read and write as one step
             new, out = jax.random.split(jax.random.wrap_key_data(self.state.value()))
             self.state.assign(jax.random.key_data(new))
-        return out
+        return out  # type: ignore[no-any-return]
 
     def normal(
         self,

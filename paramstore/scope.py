@@ -179,7 +179,7 @@ def get_variable(
                     "reuse=ps.AUTO_REUSE to get or create."
                 )
             _check_matches(existing, full, shp, dt, initializer)
-            return existing
+            return existing  # type: ignore[no-any-return]
         if existing is not None:
             raise ValueError(
                 f"Variable {full} already exists, disallowed. Did you mean to set reuse=True "

@@ -170,7 +170,8 @@ class Variable(ArrayOps):
                     "callable initial value, or reshard it after the first call."
                 )
             _trace.create(self, value)
-            ownership.adopt(self, jax.ShapeDtypeStruct(value.shape, value.dtype), owned=True)
+            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype)  # type: ignore[no-untyped-call]
+            ownership.adopt(self, placeholder, owned=True)
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
     def _set_fields(self, value: Any, trainable: bool, owned: bool) -> None:
@@ -278,7 +279,7 @@ class Variable(ArrayOps):
         with STATE_LOCK:  # copied before any step can donate it
             value = ownership.peek(self)
             if not self._is_string:
-                value = jnp.array(value, copy=True)  # type: ignore[assignment]
+                value = jnp.array(value, copy=True)
         new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
         memo[id(self)] = new
         return new
