@@ -6,6 +6,9 @@ Run ``python examples/transformer.py`` (about a minute on a 2-core CPU). It show
   LayerNormalization, Dropout, Dense) that builds its variables on its first call;
 * ``ps.Optimizer(optax.adamw(..., mask=...))`` with weight decay off for biases, LayerNorm
   and embeddings, said by variable name;
+* the blocks stacked by ``ps.nn.Repeat`` (one ``lax.scan``: compile time does not grow with
+  ``--layers``); ``--unrolled`` holds them in a Python list applied by a loop instead
+  (see docs/guides/repeat.md for when each is better);
 * K training steps fused into one ``ps.function`` call by a plain ``jax.lax.scan`` whose body
   calls ``opt.apply_gradients`` (``--fuse K``; ``--fuse 0`` runs one call per step);
 * a tqdm progress bar, a checkpoint of model and optimizer saved and restored, and text
@@ -56,6 +59,7 @@ class Config:
     d_model: int = 64
     heads: int = 4
     layers: int = 2
+    unrolled: bool = False  # blocks in a Python list (True) or stacked by ps.nn.Repeat
     dropout: float = 0.1
     learning_rate: float = 3e-3
     weight_decay: float = 0.01
@@ -133,15 +137,25 @@ class TransformerLM(ps.Module):
         self.tokens = ps.nn.Embedding(VOCAB, c.d_model)
         self.positions = ps.nn.Embedding(c.seq_len, c.d_model)
         self.drop = ps.nn.Dropout(c.dropout)
-        self.blocks = [Block(c.d_model, c.heads, c.dropout) for _ in range(c.layers)]
+        make_block = lambda: Block(c.d_model, c.heads, c.dropout)  # noqa: E731
+        # ps.nn.Repeat stores each variable once with a leading axis of `layers` and applies
+        # the blocks with one lax.scan; the Python list traces and compiles every block.
+        self.blocks: Any = (
+            [make_block() for _ in range(c.layers)]
+            if c.unrolled
+            else ps.nn.Repeat(make_block, c.layers)
+        )
         self.ln = ps.nn.LayerNormalization()
         self.head = ps.nn.Dense(VOCAB)
 
     def __call__(self, ids: jax.Array, training: bool = False) -> jax.Array:
         x = self.tokens(ids) + self.positions(jnp.arange(ids.shape[-1]))
         x = self.drop(x, training=training)
-        for block in self.blocks:
-            x = block(x, training=training)
+        if isinstance(self.blocks, ps.nn.Repeat):
+            x = self.blocks(x, training=training)
+        else:
+            for block in self.blocks:
+                x = block(x, training=training)
         return self.head(self.ln(x))
 
 
@@ -304,6 +318,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     for field in dataclasses.fields(Config):
         if field.name == "progress":
+            continue
+        if field.name == "unrolled":
+            parser.add_argument(
+                "--unrolled",
+                action="store_true",
+                help="blocks in a Python list applied by a loop, instead of ps.nn.Repeat",
+            )
             continue
         flag = "--" + field.name.replace("_", "-")
         kind = str if field.name in ("prompt", "output_dir") else type(field.default)

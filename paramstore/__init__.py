@@ -3,15 +3,27 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, nn, random
+from paramstore import checkpoint, initializers, metrics, nn, random, sharding
+from paramstore._abstract import abstract
+from paramstore._display import display
 from paramstore._placement import device
 from paramstore._summary import summary
 from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.function import Function, function
-from paramstore.functional import State, grad, pure, state, update, value_and_grad
+from paramstore.functional import (
+    State,
+    grad,
+    non_trainable,
+    pure,
+    state,
+    trainable,
+    update,
+    value_and_grad,
+)
 from paramstore.module import Module
 from paramstore.object_checkpoint import Checkpoint
 from paramstore.optimizer import Optimizer
+from paramstore.remat import remat
 from paramstore.scope import (
     AUTO_REUSE,
     VariableScope,
@@ -20,6 +32,7 @@ from paramstore.scope import (
     name_scope,
     variable_scope,
 )
+from paramstore.sharding import initialize
 from paramstore.variable import Reference, Variable, VariableSlice
 
 __version__ = "0.1.0"
@@ -38,18 +51,26 @@ __all__ = [
     "VariableScope",
     "VariableSlice",
     "VariableStore",
+    "abstract",
     "checkpoint",
     "device",
+    "display",
     "function",
     "get_variable",
     "grad",
+    "initialize",
     "initializers",
+    "metrics",
     "name_scope",
     "nn",
+    "non_trainable",
     "pure",
     "random",
+    "remat",
+    "sharding",
     "state",
     "summary",
+    "trainable",
     "update",
     "value_and_grad",
     "variable_scope",

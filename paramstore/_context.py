@@ -5,6 +5,8 @@
 * ``stores``: ``with ps.VariableStore():`` blocks, innermost last.
 * ``placements``: ``with ps.device(...):`` blocks, innermost last.
 * ``names``: variables whose initializer is running, for name-derived PRNG keys.
+* ``recorders``: ``_seed.recording()`` blocks (``ps.nn.Repeat`` learning a block's
+  initializers), innermost last.
 
 Each thread starts with empty stacks (as TensorFlow's graph and device stacks do).
 """
@@ -35,6 +37,7 @@ class _Context(threading.local):
         self.stores: list[Any] = []
         self.placements: list[Any] = []
         self.names: list[list[Any]] = []
+        self.recorders: list[dict[str, Any]] = []
 
 
 ctx = _Context()

@@ -50,7 +50,10 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
     want = None if dtype is None else canonical_dtype(dtype, f"variable '{full_name}'")
     if callable(initial_value) and not isinstance(initial_value, (ArrayOps, jax.Array)):
         base = _trace.creation_trace()
-        with naming(full_name), in_trace(base) if base is not None else nullcontext():
+        with (
+            naming(full_name, initial_value),
+            in_trace(base) if base is not None else nullcontext(),
+        ):
             initial_value = initial_value()
     if isinstance(initial_value, ArrayOps):
         source = initial_value.value()

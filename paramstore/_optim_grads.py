@@ -2,14 +2,19 @@
 
 Contract (used by ``ps.Optimizer``):
 
-* ``Targets.parse(variables)``: a list or tuple of Variables, a dict ``{key: Variable}``
-  or a Module (its trainable variables now). ``tree(entries)`` builds the pytree optax
-  sees: a list/tuple/dict like the input, and for a Module a dict keyed by the variables'
-  full names (so optax masks and labels can be functions of the names), unless two of its
-  variables share a name (variables from different stores), then a tuple.
+* ``Targets.parse(variables)``: any collection ``ps.grad`` accepts, through the same
+  parser (``paramstore._collect.parse(..., trainable=True)``: a Module gives its trainable
+  variables now). A variable the collection reaches twice is a ValueError naming it (an
+  optimizer updates each variable once; ``ps.grad`` gives it its gradient in each place).
+  ``tree(entries)`` builds the pytree optax sees: a list/tuple/dict like the input, and
+  for a Module or a nested collection (Modules in a list...) a dict keyed by the
+  variables' full names (so optax masks and labels can be functions of the names), unless
+  two of its variables share a name (variables from different stores), then a tuple.
 * ``Targets.gradients(grads_and_vars)``: the gradients aligned with the variables
   (``None`` for those not optimized), every one checked (structure, keys, shape, numeric
   dtype, no complex gradient for a real variable) before the caller changes anything.
+  For a nested collection they come in the structure ``ps.grad`` returns for it, flat in
+  the parser's order, or (names unique) as a dict keyed by name.
 """
 
 from __future__ import annotations
@@ -23,14 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey, SequenceKey
 
-from paramstore._collect import variables_of
+from paramstore._collect import Parsed, parse
 from paramstore.module import Module
 from paramstore.scope import preview_names
 from paramstore.variable import Variable
 
 __all__ = ["Targets"]
 
-_KINDS = {"list": "a list", "tuple": "a tuple", "dict": "a dict", "module": "a Module"}
+_KINDS = {
+    "list": "a list",
+    "tuple": "a tuple",
+    "dict": "a dict",
+    "module": "a Module",
+    "nested": "a collection",
+}
 
 
 def optimizable(var: Variable) -> bool:
@@ -41,13 +52,25 @@ def optimizable(var: Variable) -> bool:
         return False
 
 
-def _holds_many(x: Any) -> bool:
-    """Whether ``x`` (an item of a list) is itself a collection of variables."""
-    if isinstance(x, Variable):
-        return False
-    if isinstance(x, (Module, list, tuple, Mapping)):
-        return True
-    return isinstance(getattr(x, "state", None), Variable) or hasattr(x, "variables")
+def _check_once(found: list[Variable]) -> None:
+    """The one rule for duplicates: ps.grad gives a variable listed twice its full gradient
+    in both places, but an optimizer updates each variable once per step, so a variable
+    that its collection reaches twice (``[v, v]``, ``[dense, dense]``, ``[model,
+    model.dense]``) is refused, naming it."""
+    seen: set[int] = set()
+    for v in found:
+        if id(v) in seen:
+            raise ValueError(
+                f"ps.Optimizer: variable '{v.name}' is given twice (listed twice, directly or "
+                "through Modules that hold it); a step updates each variable once. Pass each "
+                "variable once, e.g. one Module that holds them all."
+            )
+        seen.add(id(v))
+
+
+def _flat(g: Any, n: int) -> bool:
+    """Whether ``g`` is one gradient per variable, not a nested structure."""
+    return len(g) == n and not any(isinstance(x, (list, tuple, Mapping)) for x in g)
 
 
 def _error(msg: str, exc: type[Exception] = ValueError) -> Exception:
@@ -62,51 +85,44 @@ class Targets:
     keys: tuple[Any, ...]  # dict keys, or the variables' names for a Module
     variables: tuple[Variable, ...]
     optimized: tuple[bool, ...]
+    parsed: Parsed  # the collection as ps.grad reads it (its gradients' structure)
 
     @staticmethod
     def parse(variables: Any) -> Targets:
-        if isinstance(variables, Module):
-            found = list(variables.trainable_variables)
-            if not found:
-                raise ValueError(
-                    f"ps.Optimizer: Module '{variables.scope_name}' has no trainable variables "
-                    "yet. Create the optimizer after the model's variables exist (e.g. after "
-                    "calling the model once)."
-                )
-            kind, keys = "module", [v.name for v in found]
-        elif isinstance(variables, Mapping):
-            kind, keys, found = "dict", list(variables), list(variables.values())
-        elif isinstance(variables, (list, tuple)) and not any(map(_holds_many, variables)):
-            kind = "list" if isinstance(variables, list) else "tuple"
-            keys, found = [], list(variables)
-        elif isinstance(variables, Variable):
+        if isinstance(variables, Variable):
             raise TypeError(
                 "ps.Optimizer expects its variables as a collection (gradients come back in "
                 "its structure): a list or tuple of Variables, a dict {key: Variable}, a "
                 "Module, or any collection ps.grad accepts; got one Variable (wrap it in a "
                 "list: [v])."
             )
-        else:  # nested lists, Modules and Optimizers in a list, a store, a Generator...:
-            try:  # the shared parser's order, as a list
-                found = variables_of(variables)
-            except TypeError as e:
-                raise TypeError(f"ps.Optimizer: {e}") from None
-            kind, keys = "list", []
-        for k, v in zip(keys if kind == "dict" else range(len(found)), found):
-            if not isinstance(v, Variable):
-                where = f"key {k!r}" if kind == "dict" else f"position {k}"
-                raise TypeError(
-                    f"ps.Optimizer: the item at {where} is a {type(v).__name__}, not a ps.Variable."
+        try:  # the one parser, as ps.grad reads the same collection
+            parsed = parse(variables, trainable=True)
+        except TypeError as e:
+            raise TypeError(f"ps.Optimizer: {e}") from None
+        found = list(parsed.variables)
+        if isinstance(variables, Module):
+            kind = "module"
+            if not found:
+                raise ValueError(
+                    f"ps.Optimizer: Module '{variables.scope_name}' has no trainable variables "
+                    "yet. Create the optimizer after the model's variables exist (e.g. after "
+                    "calling the model once)."
                 )
+        elif isinstance(variables, Mapping):
+            kind = "dict"
+        elif type(variables) in (list, tuple) and all(isinstance(v, Variable) for v in variables):
+            kind = type(variables).__name__
+        else:  # Modules in a list, nested lists, a store, a Generator...
+            kind = "nested"
         if not found:
             raise ValueError("ps.Optimizer needs at least one variable to optimize.")
-        seen: set[Any] = set()
-        for v in found:
-            if v.ref() in seen:
-                raise ValueError(f"ps.Optimizer: variable '{v.name}' is given twice.")
-            seen.add(v.ref())
-        if kind == "module" and len(set(keys)) != len(keys):
-            keys = []  # names collide (several stores): optax sees a tuple
+        _check_once(found)
+        keys = list(variables) if kind == "dict" else []
+        if kind in ("module", "nested"):  # optax sees a dict keyed by name (masks by name)
+            keys = [v.name for v in found]
+            if len(set(keys)) != len(keys):
+                keys = []  # names collide (several stores): optax sees a tuple
         optimized = tuple(optimizable(v) for v in found)
         if not any(optimized):
             raise ValueError(
@@ -114,7 +130,7 @@ class Targets:
                 f"variable ({', '.join(v.name for v in found)}), so there is nothing to "
                 "optimize."
             )
-        return Targets(kind, tuple(keys), tuple(found), optimized)
+        return Targets(kind, tuple(keys), tuple(found), optimized, parsed)
 
     # ------------------------------------------------------------ the optax pytree
 
@@ -184,6 +200,14 @@ class Targets:
                 f"{what}: pass a dict with the same keys.",
                 TypeError,
             )
+        if kind == "nested" and not _flat(g, n):  # the structure ps.grad returns
+            try:
+                g = self.parsed.flatten(g)
+            except ValueError as e:
+                raise _error(
+                    f" expects gradients in the structure ps.grad returns for the optimizer's "
+                    f"collection, or a flat list of its {n} variables: {e}"
+                ) from None
         if len(g) != n:
             hint = ""
             if kind == "module":

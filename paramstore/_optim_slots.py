@@ -11,6 +11,13 @@ Contract (used by ``ps.Optimizer``; see its docstring for the naming rule):
   ``optax.chain`` are left out unless two names would collide.
 * ``hyperparam_leaves(paths)`` -> ``[(leaf index, name)]`` of the hyperparameters that
   ``optax.inject_hyperparams`` keeps in the state.
+* ``state_sharding(owner, leaf, replicated)``: where a state leaf's Variable goes. A slot
+  goes exactly where its parameter is (the parameter's sharding, or, for a parameter with
+  no placement of its own, nowhere in particular, like it), whatever ``ps.device`` block
+  or ``LayoutMap`` the optimizer is built in: create the state inside
+  ``paramstore._placement.unplaced()``. Other state (counters, hyperparameters) is
+  replicated over the first parameter's devices.
+* ``replicated_like(sharding)``: that replicated sharding (None: leave on the default).
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-__all__ = ["slot_names", "hyperparam_leaves"]
+__all__ = ["slot_names", "hyperparam_leaves", "state_sharding", "replicated_like"]
 
 Path = tuple[Any, ...]
 
@@ -91,3 +99,26 @@ def hyperparam_leaves(paths: Sequence[Path]) -> list[tuple[int, str]]:
         and isinstance(path[-2], GetAttrKey)
         and path[-2].name == "hyperparams"
     ]
+
+
+def replicated_like(sharding: Sharding | None) -> Sharding | None:
+    """A replicated sharding over the devices of ``sharding`` (None: leave on the default)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
+    if sharding is not None and len(sharding.device_set) == 1:
+        return sharding
+    return None
+
+
+def state_sharding(owner: Any, leaf: Any, replicated: Sharding | None) -> Sharding | None:
+    """The ``sharding=`` for the Variable of state ``leaf`` owned by parameter ``owner``
+    (None for shared state); see the module docstring. Create it inside ``unplaced()``."""
+    if owner is None or tuple(owner.shape) != tuple(leaf.shape):
+        want = replicated
+    elif getattr(owner._value, "committed", True):
+        want = owner.sharding
+    else:  # the parameter has no placement: neither has its slot
+        return None
+    if want is not None and getattr(leaf, "sharding", None) == want:
+        return None  # already there (optax made it from the parameter): no copy
+    return want

@@ -26,10 +26,12 @@ from paramstore._context import ctx
 from paramstore._jax import device_assignment
 
 __all__ = [
+    "Layouts",
     "device",
     "resolve_device",
     "placement",
     "current_placement",
+    "unplaced",
     "check_fits",
     "place",
     "replicated",
@@ -38,6 +40,18 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ devices
+
+
+class Layouts:
+    """Base of a name -> sharding map that ``ps.device`` accepts (``ps.sharding.LayoutMap``,
+    defined above this module): a variable created inside gets ``sharding_for(name,
+    shape)``, or ``replicated()`` when that is None."""
+
+    def sharding_for(self, name: str, shape: tuple[int, ...]) -> Sharding | None:
+        raise NotImplementedError
+
+    def replicated(self) -> Sharding:
+        raise NotImplementedError
 
 
 def _local_devices(kind: str) -> list[jax.Device]:
@@ -73,13 +87,17 @@ def resolve_device(spec: str | jax.Device) -> jax.Device:
 
 
 @contextlib.contextmanager
-def device(spec: str | jax.Device | Sharding | Mesh) -> Iterator[Any]:
+def device(spec: str | jax.Device | Sharding | Mesh | Layouts) -> Iterator[Any]:
     """Place the Variables created inside this block on ``spec``: a device (``"cpu:0"``,
-    ``"gpu:1"``, a ``jax.Device``), a ``Sharding``, or a ``Mesh`` (replicated over it).
-    Yields the ``jax.Device`` (or the sharding)."""
-    if isinstance(spec, Mesh):
-        target: Sharding = NamedSharding(spec, PartitionSpec())
-        given: Any = target
+    ``"gpu:1"``, a ``jax.Device``), a ``Sharding``, a ``Mesh`` (replicated over it), or a
+    ``ps.sharding.LayoutMap`` (each variable as its name maps). Yields the ``jax.Device``
+    (or the sharding, or the layout map)."""
+    target: Any
+    given: Any
+    if isinstance(spec, Layouts):
+        target = given = spec
+    elif isinstance(spec, Mesh):
+        target = given = NamedSharding(spec, PartitionSpec())
     elif isinstance(spec, Sharding):
         target = given = spec
     else:
@@ -92,14 +110,27 @@ def device(spec: str | jax.Device | Sharding | Mesh) -> Iterator[Any]:
         ctx.placements.pop()
 
 
-def current_placement() -> Sharding | None:
-    """The sharding set by the innermost ``ps.device`` block, if any."""
+@contextlib.contextmanager
+def unplaced() -> Iterator[None]:
+    """Inside this block no enclosing ``ps.device`` applies: a variable created with no
+    ``device=``/``sharding=`` of its own stays where its initial value is (used for
+    optimizer state, which must sit exactly where its parameters are)."""
+    ctx.placements.append(None)
+    try:
+        yield
+    finally:
+        ctx.placements.pop()
+
+
+def current_placement() -> Sharding | Layouts | None:
+    """The sharding (or layout map) set by the innermost ``ps.device`` block, if any."""
     stack = ctx.placements
     return stack[-1] if stack else None
 
 
-def placement(device: Any = None, sharding: Sharding | None = None) -> Sharding | None:
-    """The sharding a new variable asks for: explicit sharding, device, context, or None."""
+def placement(device: Any = None, sharding: Sharding | None = None) -> Sharding | Layouts | None:
+    """The sharding a new variable asks for: explicit sharding, device, context (a
+    ``Layouts`` map there is resolved by ``paramstore._layout.target``), or None."""
     if sharding is not None and device is not None:
         raise ValueError("Give a Variable either device= or sharding=, not both.")
     if sharding is not None:

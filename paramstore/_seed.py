@@ -16,13 +16,14 @@ import contextlib
 import os
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 
 from paramstore._context import ctx
 
-__all__ = ["set_seed", "get_seed", "naming", "named_key"]
+__all__ = ["set_seed", "get_seed", "naming", "named_key", "recording"]
 
 _lock = threading.Lock()
 _seed: int = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
@@ -47,16 +48,33 @@ def _name_to_int(name: str) -> int:
 
 
 @contextlib.contextmanager
-def naming(full_name: str) -> Iterator[None]:
-    """Within this block, ``named_key()`` derives keys from ``full_name``.
+def naming(
+    full_name: str, initializer: Callable[[], Any] | None = None, *, index: Any = None
+) -> Iterator[None]:
+    """Within this block, ``named_key()`` derives keys from ``full_name`` (and ``index``).
 
-    Used by ``Variable`` and ``get_variable`` around the call of an initializer.
+    Used by ``Variable`` around the call of an initializer (``initializer``, which the
+    innermost ``recording()`` block, if any, records under ``full_name``).
     """
-    ctx.names.append([full_name, 0])
+    if initializer is not None and ctx.recorders:
+        ctx.recorders[-1][full_name] = initializer
+    outer = ctx.names[-1][2] if ctx.names else ()
+    ctx.names.append([full_name, 0, outer if index is None else (*outer, index)])
     try:
         yield
     finally:
         ctx.names.pop()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, Callable[[], Any]]]:
+    """Collect ``{full name: initializer}`` for the variables created inside."""
+    found: dict[str, Callable[[], Any]] = {}
+    ctx.recorders.append(found)
+    try:
+        yield found
+    finally:
+        ctx.recorders.pop()
 
 
 def named_key() -> jax.Array | None:
@@ -70,4 +88,6 @@ def named_key() -> jax.Array | None:
     draw = entry[1]
     entry[1] = draw + 1
     key = jax.random.fold_in(jax.random.key(_seed), _name_to_int(entry[0]))
+    for index in entry[2]:  # the layer of a stack (ps.nn.Repeat), outermost first
+        key = jax.random.fold_in(key, index)
     return jax.random.fold_in(key, draw) if draw else key

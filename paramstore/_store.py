@@ -1,6 +1,6 @@
 """``VariableStore``: a namespace of variables, and the ``State`` mapping of their values.
 
-Contract (API.md, "Names, scopes and sharing"):
+Contract (docs/api.md, "Names, scopes and sharing"):
 
 * A store owns a namespace of full names. Every Variable created while a store is the
   default is tracked there weakly and gets a unique full name: a second ``"v"`` becomes

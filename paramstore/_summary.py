@@ -6,8 +6,8 @@ Contract:
   parameter count, trainable flag) in the module's ``variables`` order (or the order given),
   then the totals: all, trainable and non-trainable parameters, and their size in bytes.
   Accepts a Module (anything with ``.variables``), a Variable, or a list, tuple or dict of
-  Variables (a dict's rows are named by its keys). A layer not built yet has no rows and
-  the table says so.
+  Variables (a dict's rows are named by its keys). A layer not built yet (the module or
+  any of its submodules) gets a row that says "not built", and the table says how to build.
 * ``summary_html(...)`` is the same table as HTML (what Jupyter shows for a layer).
 
 This module imports only ``paramstore.variable``, so ``module.py`` may use it too.
@@ -84,8 +84,19 @@ def _table(obj: Any) -> tuple[str, list[tuple[str, ...]], list[str]]:
         f"Trainable params: {trainable:,} ({human_bytes(tbytes)})",
         f"Non-trainable params: {total - trainable:,} ({human_bytes(nbytes - tbytes)})",
     ]
-    if not items and getattr(obj, "built", True) is False:
-        totals.insert(0, "(not built yet: the layer creates its variables on its first call)")
+    unbuilt = [
+        m
+        for m in (obj, *getattr(obj, "submodules", ()))
+        if getattr(m, "built", True) is False and hasattr(m, "scope_name")
+    ]
+    for m in unbuilt:
+        rows.append((f"{m.scope_name} ({type(m).__name__})", "not built", "", "", ""))
+    if unbuilt:
+        totals.insert(
+            0,
+            "(not built yet: a layer creates its variables on its first call, or with "
+            "layer.build(input_shape))",
+        )
     return title, rows, totals
 
 

@@ -1,46 +1,46 @@
-"""TensorFlow users' files, read-only: TF1 ``Saver`` / TF2 ``tf.train.Checkpoint`` prefixes
-and Keras ``.weights.h5`` files (see docs/checkpoints.md, "TensorFlow users' files").
+"""TensorFlow checkpoints, read-only: TF1 ``Saver`` / TF2 ``tf.train.Checkpoint`` prefixes
+(see docs/checkpoints.md, "TensorFlow users' files"; Keras ``.weights.h5`` files are in
+``paramstore._tf_keras``).
 
-Both are ``_format.Reader`` s. Names are the file's own: a TensorFlow checkpoint's keys
-(``dense/kernel``, ``model/layer/.ATTRIBUTES/VARIABLE_VALUE``; the serialized object graph
-``_CHECKPOINTABLE_OBJECT_GRAPH`` is left out) and a ``.weights.h5`` file's HDF5 dataset
-paths (``layers/dense/vars/0``). TensorFlow checks its own per-tensor CRC32C on every read
-(a mismatch is a CheckpointError here). HDF5 stores no checksum unless the writer asked for
-the Fletcher-32 filter (Keras does not), so a ``.weights.h5`` value is verified only where
-its dataset has that filter; its structure is still checked.
-
-TensorFlow and h5py are optional (``pip install 'paramstore[tensorflow]'``) and imported
-with ``importlib`` on first use, never by ``import paramstore``.
+A ``_format.Reader``. Names are the checkpoint's keys (``dense/kernel``,
+``model/layer/.ATTRIBUTES/VARIABLE_VALUE``; the serialized object graph
+``_CHECKPOINTABLE_OBJECT_GRAPH`` is left out). The index is parsed and checked in Python
+(``paramstore._tf_index``), so listing needs no TensorFlow and TensorFlow never sees an
+index paramstore has not checked; entries that are not tensors of numbers or strings
+(``DT_VARIANT``, ``DT_RESOURCE``) are listed in ``skipped`` and loading one is a
+CheckpointError naming it. Values are read by TensorFlow (``pip install
+'paramstore[tensorflow]'``, imported with ``importlib`` on first load), which checks its
+own per-tensor CRC32C (a mismatch is a CheckpointError here).
 """
 
 from __future__ import annotations
 
+import codecs
 import importlib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
-from paramstore._format import STRING, CheckpointError, Entry, PathLike, no_such_variable
+from paramstore._checkpoint_io import check_regular, open_regular
+from paramstore._checkpoint_placement import place
+from paramstore._format import STRING, CheckpointError, PathLike, no_such_variable
+from paramstore._tf_index import TFEntry, TFIndex, data_path, is_prefix
 
-_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
-_OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
+__all__ = ["TensorFlowCheckpoint", "is_prefix", "is_checkpoint_dir", "import_optional"]
+
 _INSTALL = "pip install 'paramstore[tensorflow]' (tensorflow-cpu and h5py)"
+_MAX_STATE = 1 << 20  # the bytes of a directory's "checkpoint" file paramstore reads
+_LATEST = re.compile(rb'^\s*model_checkpoint_path:\s*"((?:[^"\\]|\\.)*)"', re.M)
 
 
-def _import(name: str, what: str) -> Any:
+def import_optional(name: str, what: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as e:
         raise ImportError(f"Reading {what} needs {name}: {_INSTALL}. ({e})") from e
-
-
-def is_prefix(path: str) -> bool:
-    """Whether ``path`` is a TensorFlow checkpoint prefix (``<path>.index`` exists) or its
-    ``.index`` file."""
-    return os.path.isfile(path + ".index") or (path.endswith(".index") and os.path.isfile(path))
 
 
 def is_checkpoint_dir(path: str) -> bool:
@@ -48,21 +48,29 @@ def is_checkpoint_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "checkpoint"))
 
 
-def is_hdf5(path: str) -> bool:
+def latest(directory: str) -> str:
+    """The prefix a directory's ``checkpoint`` state file names (as
+    ``tf.train.latest_checkpoint``, without TensorFlow; relative paths are relative to
+    ``directory``, and a moved directory's own copy is preferred)."""
+    state = os.path.join(directory, "checkpoint")
+    st = check_regular(state, "TensorFlow checkpoint state file")
+    with open_regular(state, "TensorFlow checkpoint state file") as f:
+        text = f.read(min(st.st_size, _MAX_STATE))
+    m = _LATEST.search(text)
+    if m is None:
+        raise CheckpointError(f"TensorFlow checkpoint directory '{directory}' names no checkpoint.")
     try:
-        with open(path, "rb") as f:
-            return f.read(8) == _HDF5_MAGIC
-    except OSError:
-        return False
-
-
-def _place(values: dict[str, np.ndarray], wanted: Mapping[str, Any]) -> dict[str, Any]:
-    """Put the values with a placement on it, in one ``jax.device_put``."""
-    names = [n for n, p in wanted.items() if p is not None and values[n].dtype != STRING]
-    if names:
-        placed = jax.device_put([values[n] for n in names], [wanted[n] for n in names])
-        values.update(zip(names, placed))
-    return values
+        name = codecs.escape_decode(m[1])[0].decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"TensorFlow checkpoint state '{state}' is corrupt.") from None
+    prefix = os.path.join(directory, name)
+    if not is_prefix(prefix):
+        prefix = os.path.join(directory, os.path.basename(name))
+    if not is_prefix(prefix):
+        raise CheckpointError(
+            f"TensorFlow checkpoint directory '{directory}' names '{name}', which is not there."
+        )
+    return prefix
 
 
 def _strings(arr: np.ndarray) -> np.ndarray:
@@ -79,86 +87,83 @@ class TensorFlowCheckpoint:
 
     def __init__(self, path: PathLike) -> None:
         where = os.fspath(path)
-        tf = _import("tensorflow", "TensorFlow checkpoints")
         if os.path.isdir(where):
-            latest = tf.train.latest_checkpoint(where)
-            if latest is None:
-                raise CheckpointError(f"TensorFlow checkpoint directory '{where}' has none.")
-            where = latest
+            where = latest(where)
         self.path = where.removesuffix(".index")
-        try:
-            self._reader = tf.train.load_checkpoint(self.path)
-            shapes = self._reader.get_variable_to_shape_map()
-            dtypes = self._reader.get_variable_to_dtype_map()
-        except Exception as e:  # tf.errors.*: a corrupt or foreign index
-            raise CheckpointError(
-                f"TensorFlow checkpoint '{self.path}' is corrupt or unreadable: "
-                f"{type(e).__name__}: {e}"
-            ) from None
-        self.entries: dict[str, Entry] = {}
-        for name, shape in shapes.items():
-            if name == _OBJECT_GRAPH:
-                continue
-            dt = dtypes[name]
-            dtype = STRING if dt.name == "string" else np.dtype(dt.as_numpy_dtype)
-            nbytes = 0 if dtype == STRING else int(np.prod(shape)) * dtype.itemsize
-            self.entries[name] = Entry(name, tuple(int(d) for d in shape), dtype, nbytes)
+        index = TFIndex(self.path)
+        self._index = index
+        self.entries: dict[str, TFEntry] = index.entries
+        self.skipped: dict[str, str] = index.skipped
         self.description = "TensorFlow checkpoint (read-only)"
+        self._reader: Any = None
 
     def close(self) -> None:
-        pass
+        self._reader = None
+
+    def _tf_reader(self) -> Any:
+        if self._reader is None:
+            tf = import_optional("tensorflow", "the values of TensorFlow checkpoints")
+            try:
+                self._reader = tf.train.load_checkpoint(self.path)
+            except Exception as e:  # tf.errors.*
+                raise CheckpointError(
+                    f"TensorFlow checkpoint '{self.path}' is corrupt or unreadable: "
+                    f"{type(e).__name__}: {e}"
+                ) from None
+        return self._reader
+
+    def _check_strings(self, e: TFEntry) -> None:
+        """A string tensor's lengths must add up to its bytes before TensorFlow allocates
+        them (each length is a varint; a crafted one could claim exabytes)."""
+        if e.name in self._index.sliced or not e.size:
+            return
+        path = data_path(self.path, e.shard, self._index.shards)
+        with open_regular(path, "TensorFlow checkpoint data file") as f:
+            f.seek(e.offset)
+            raw = f.read(e.size)
+        pos, total, count = 0, 0, int(np.prod(e.shape))
+        for _ in range(count):
+            length = shift = 0
+            while True:
+                if pos >= len(raw) or shift > 63:
+                    raise CheckpointError(
+                        f"TensorFlow checkpoint '{self.path}' is corrupt: the string lengths "
+                        f"of '{e.name}' run past its data."
+                    )
+                b = raw[pos]
+                pos += 1
+                length |= (b & 0x7F) << shift
+                shift += 7
+                if b < 0x80:
+                    break
+            total += length
+        if pos + 4 + total != len(raw):
+            raise CheckpointError(
+                f"TensorFlow checkpoint '{self.path}' is corrupt: the strings of '{e.name}' "
+                f"claim {total} bytes; its data holds {len(raw) - pos - 4}."
+            )
 
     def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
-        values: dict[str, np.ndarray] = {}
         for name in wanted:
+            if name in self.skipped:
+                raise CheckpointError(
+                    f"TensorFlow checkpoint '{self.path}': entry '{name}' holds "
+                    f"{self.skipped[name]}; paramstore reads only tensors of numbers and "
+                    "strings. Leave it out of the names to restore."
+                )
             if name not in self.entries:
                 raise no_such_variable(self.path, name, self.entries)
+            if self.entries[name].dtype == STRING:
+                self._check_strings(self.entries[name])
+        reader: Any = self._tf_reader() if wanted else None
+        values: dict[str, np.ndarray] = {}
+        for name in wanted:
             try:
-                arr = np.asarray(self._reader.get_tensor(name))
+                arr = np.asarray(reader.get_tensor(name))
             except Exception as e:  # tf.errors.DataLossError: a CRC32C mismatch
                 raise CheckpointError(
                     f"TensorFlow checkpoint '{self.path}' is corrupt: variable '{name}' "
                     f"cannot be read ({type(e).__name__}: {e})."
                 ) from None
             values[name] = _strings(arr) if arr.dtype == object else arr
-        return _place(values, wanted)
-
-
-class KerasWeights:
-    """A Keras ``.weights.h5`` file (``model.save_weights``), by HDF5 dataset path."""
-
-    def __init__(self, path: PathLike) -> None:
-        self.path = os.fspath(path)
-        h5py = _import("h5py", "Keras .weights.h5 files")
-        try:
-            self._file = h5py.File(self.path, "r")
-        except OSError as e:
-            raise CheckpointError(f"HDF5 file '{self.path}' is corrupt: {e}.") from None
-        self._datasets: dict[str, Any] = {}
-        self._file.visititems(self._visit)
-        self.entries = {}
-        for name, ds in self._datasets.items():
-            dtype = STRING if ds.dtype.kind in "OS" else np.dtype(ds.dtype)
-            self.entries[name] = Entry(name, tuple(ds.shape), dtype, int(ds.nbytes))
-        self.description = "Keras .weights.h5 (read-only)"
-
-    def _visit(self, name: str, obj: Any) -> None:
-        if hasattr(obj, "dtype") and hasattr(obj, "shape"):
-            self._datasets[name] = obj
-
-    def close(self) -> None:
-        self._file.close()
-
-    def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
-        values: dict[str, np.ndarray] = {}
-        for name in wanted:
-            if name not in self._datasets:
-                raise no_such_variable(self.path, name, self.entries)
-            try:
-                arr = np.asarray(self._datasets[name][()])
-            except (OSError, ValueError) as e:  # a Fletcher-32 mismatch, a bad chunk
-                raise CheckpointError(
-                    f"HDF5 file '{self.path}' is corrupt: dataset '{name}' cannot be read ({e})."
-                ) from None
-            values[name] = _strings(arr) if arr.dtype.kind in "OS" else arr
-        return _place(values, wanted)
+        return place(values, wanted)

@@ -6,8 +6,10 @@
   in total. Names are printed escaped (control characters, ANSI escapes, newlines and lone
   surrogates as ``\\x1b``, ``\\n``, ``\\udcff``), so a name cannot forge a row. ``--name``
   takes a glob (``'dense*/w'``); with ``--values`` and a single match, the full value is
-  printed. Output into a closed pipe (``| head``) ends quietly. Exit status 0, or 1 after
-  one line on stderr for a missing, foreign or corrupt file.
+  printed. Entries a reader cannot give as tensors (a TensorFlow ``DT_VARIANT``) are listed
+  as skipped, with the reason. Output into a closed pipe (``| head``) ends quietly. Exit
+  status 0, or 1 after one line on stderr for a missing, foreign or corrupt file; never a
+  traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from paramstore import checkpoint
-from paramstore._format import CheckpointError, EntryInfo, PathLike, dtype_name, is_string
+from paramstore._format import (
+    CheckpointError,
+    EntryInfo,
+    PathLike,
+    dtype_name,
+    is_string,
+    no_such_variable,
+)
 from paramstore._summary import human_bytes
 
 
@@ -70,7 +79,7 @@ def render(path: PathLike, values: bool = False, name: str | None = None) -> str
         if name is not None:
             chosen = [e for e in entries if fnmatch.fnmatchcase(e.name, name)]
             if not chosen:
-                raise checkpoint.no_such_variable(r.path, name, r.entries)
+                raise no_such_variable(r.path, name, r.entries)
             entries = chosen
         loaded: dict[str, Any] = r.load(dict.fromkeys(e.name for e in entries)) if values else {}
         head = ["name", "shape", "dtype", "size", "bytes"]
@@ -88,6 +97,9 @@ def render(path: PathLike, values: bool = False, name: str | None = None) -> str
             f"{human_bytes(total)}, {r.description}",
             table(rows),
         ]
+        skipped: dict[str, str] = getattr(r, "skipped", {})
+        for key in sorted(skipped):
+            lines.append(f"skipped '{escape(key)}': {escape(skipped[key])}")
     if values and len(entries) == 1:
         with np.printoptions(threshold=1000, edgeitems=5):
             value = loaded[entries[0].name]
@@ -101,6 +113,13 @@ def inspect(path: PathLike, values: bool = False, name: str | None = None) -> in
         text = render(path, values, name)
     except (OSError, CheckpointError, ImportError) as e:
         print(f"error: {escape(str(e))}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a reader bug must not print a traceback over the user's file
+        print(
+            f"error: cannot read '{escape(os.fspath(path))}' ({type(e).__name__}: "
+            f"{escape(str(e))}); please report this with the file.",
+            file=sys.stderr,
+        )
         return 1
     try:
         sys.stdout.write(text + "\n")

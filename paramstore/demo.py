@@ -3,7 +3,8 @@
 What it shows, in about a hundred lines: a ``ps.Module`` of ``ps.nn.Dense`` layers that build
 their Variables on the first call (reproducible through ``ps.random.set_seed``), an
 ``optax.adam`` optimizer whose state lives in Variables (``ps.Optimizer``), a compiled
-``@ps.function`` training step that updates the model in place, evaluation, and a
+``@ps.function`` training step that updates the model and Keras-style metrics
+(``ps.metrics.Mean``, ``ps.metrics.SparseCategoricalAccuracy``) in place, evaluation, and a
 checkpoint of model and optimizer (a ``ps.Checkpoint``) written with ``ps.CheckpointManager``.
 
 The digits data set (1797 8x8 images) ships with scikit-learn, so nothing is downloaded.
@@ -22,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -146,19 +146,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_params = sum(v.size for v in model.trainable_variables)
         print(f"model: {len(model.trainable_variables)} variables, {n_params} parameters")
 
+        train_loss = ps.metrics.Mean(name="loss")
+        train_accuracy = ps.metrics.SparseCategoricalAccuracy(name="accuracy")
+        test_accuracy = ps.metrics.SparseCategoricalAccuracy(name="test_accuracy")
+
         @ps.function
         def train_step(x: jax.Array, y: jax.Array) -> jax.Array:
-            def loss_fn() -> jax.Array:
+            def loss_fn() -> tuple[jax.Array, jax.Array]:
                 logits = model(x)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+                loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+                return loss, logits
 
-            loss, grads = ps.value_and_grad(loss_fn, model)()
+            (loss, logits), grads = ps.value_and_grad(loss_fn, model, has_aux=True)()
             opt.apply_gradients(grads)
+            train_loss.update_state(loss)
+            train_accuracy.update_state(y, logits)
             return loss
 
         @ps.function
-        def predict(x: jax.Array | np.ndarray) -> jax.Array:
-            return jnp.argmax(model(x), axis=-1)
+        def evaluate(x: jax.Array | np.ndarray, y: jax.Array | np.ndarray) -> jax.Array:
+            test_accuracy.update_state(y, model(x))
+            return test_accuracy.result()
 
         rng = np.random.default_rng(args.seed)
         batches = _batches(len(x_train), args.batch_size, rng)
@@ -171,12 +179,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             idx = next(batches)
             loss = train_step(x_train[idx], y_train[idx])
             if step % 25 == 0 or step == args.steps - 1:
-                bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+                bar.set_postfix(
+                    loss=f"{float(train_loss.result()):.4f}",
+                    accuracy=f"{float(train_accuracy.result()):.3f}",
+                    refresh=False,
+                )
+            if (step + 1) % 100 == 0:  # Keras' per-epoch reset, every 100 steps here
+                train_loss.reset_state()
+                train_accuracy.reset_state()
         final_loss = float(loss) if loss is not None else float("nan")
         seconds = time.perf_counter() - start
         bar.close()
 
-        accuracy = float(np.mean(np.asarray(predict(x_test)) == y_test))
+        accuracy = float(evaluate(x_test, y_test))
         print(
             f"trained {args.steps} steps in {seconds:.1f}s "
             f"(including compilation); final batch loss {final_loss:.4f}"

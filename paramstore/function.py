@@ -613,9 +613,25 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
         ) from error
     consts = [c for c, used in zip(closed.consts, used_in[:n_consts]) if used]
     init = init.replace(debug_info=init.debug_info.with_unknown_names())
-    values = jax.jit(jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, [])))(*consts)
+    # A variable created with a sharding (sharding=, a LayoutMap, axis rules) gets its value
+    # from a program compiled with that output sharding: no device holds more than its
+    # shards. The others come from a program with no output shardings, as before.
+    shardings = [ownership.peek(v).sharding for v, _ in created]
+    run = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, []))
+    values: list[Any] = [None] * n_created
+    placed = [i for i, sh in enumerate(shardings) if sh is not None]
+    for group in (placed, [i for i, sh in enumerate(shardings) if sh is None]):
+        if group:
+            outs = [shardings[i] for i in group] if group is placed else None
+            program = jax.jit(lambda *c, g=group: [run(*c)[i] for i in g], out_shardings=outs)
+            for i, value in zip(group, program(*consts)):
+                values[i] = value
     for (var, _), value in zip(created, values):
-        var._write(ownership.take_initial(var, value), owned=True)
+        override = ownership.take_initial(var, None)
+        sharding = ownership.peek(var).sharding
+        if override is not None and sharding is not None:
+            override = jax.device_put(override, sharding)
+        var._write(value if override is None else override, owned=True)
 
 
 def _shared(

@@ -1,27 +1,37 @@
 """The functional core: ``state``, ``pure``, ``update``, ``grad``, ``value_and_grad``.
 
-Contract (API.md, "The functional core"):
+Contract (docs/api.md, "The functional core"):
 
-* ``state(vars_or_module)`` -> an immutable ``State`` mapping ``{name: jax.Array}``, a
-  pytree keyed by the variables' full names (or a dict's keys), in the variables' order.
-  String variables are host-side data and are left out. Any form that
-  ``paramstore._collect`` parses is accepted (Modules, Optimizers, lists, dicts ...).
-* ``pure(fn, variables)`` -> ``f(values, *args, **kw) -> (out, new_values)``: runs ``fn``
-  with the variables bound to ``values`` (on this thread only) and returns all their
-  values after the call. The real variables are never touched, so ``f`` composes with
-  ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``lax.scan``, and ``fn`` may read and assign
-  its variables inside ``lax`` control flow, ``jax.checkpoint`` and ``jax.vmap`` bodies.
-  ``values`` may be a ``State`` or a plain dict with the same keys. Variables outside
-  ``variables`` are read as they are in eager code; under a compiling transformation
-  (``jax.jit`` ...) reading one is a ``TypeError`` (it would be baked in); assigning one is
-  an error.
-* ``update(vars_or_module, values)`` assigns a state back, all or nothing, atomically.
-* ``grad(fn, variables)`` / ``value_and_grad(fn, variables, has_aux=False)``: gradients of
-  ``fn(*args)`` with respect to the variables, in the structure of ``variables`` (a list
-  for a list, a tuple for a tuple, a dict for a dict, one array for one Variable, and a
-  tuple like ``m.trainable_variables`` for a Module). A variable listed twice gets the
-  full gradient in both places, as with ``tf.GradientTape``. Assigns that ``fn`` makes
-  take effect, as in eager TensorFlow code. Works eagerly and in ``ps.function``.
+* ``state(vars_or_module, where=None)`` -> an immutable ``State`` mapping
+  ``{name: jax.Array}``, a pytree keyed by the variables' full names (or a dict's keys),
+  in the variables' order. String variables are host-side data and are left out. Any
+  form that ``paramstore._collect`` parses is accepted (Modules, Optimizers, lists of
+  them, dicts ...), the same forms everywhere below.
+* Filters: ``where`` is a callable ``(variable) -> bool`` (``ps.trainable``,
+  ``ps.non_trainable``) or a string searched as a regular expression in each full name;
+  ``state``, ``pure``, ``grad`` and ``value_and_grad`` take it. One that keeps nothing
+  raises ValueError; a bad type TypeError; a bad regular expression ValueError.
+* ``pure(fn, variables, where=None)`` -> ``f(values, *args, **kw) -> (out, new_values)``:
+  runs ``fn`` with the variables bound to ``values`` (on this thread only) and returns all
+  their values after the call. The real variables are never touched, so ``f`` composes
+  with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``lax.scan``, and ``fn`` may read and
+  assign its variables inside ``lax`` control flow, ``jax.checkpoint`` and ``jax.vmap``
+  bodies. ``values`` may be a ``State`` or a plain dict with the same keys. Variables
+  outside ``variables`` (or left out by ``where``) are read as they are in eager code;
+  under a compiling transformation (``jax.jit`` ...) reading one is a ``TypeError`` (it
+  would be baked in); assigning one is an error.
+* ``update(vars_or_module, values, partial=False)`` assigns a state back, all or nothing,
+  atomically. Every variable must be in ``values`` (a missing name raises KeyError);
+  with ``partial=True`` only the names present are assigned, and a name that is no
+  variable's raises KeyError naming it (nothing assigned).
+* ``grad(fn, variables, where=None)`` / ``value_and_grad(fn, variables, has_aux=False,
+  where=None)``: gradients of ``fn(*args)`` with respect to the variables, in the
+  structure of ``variables`` (a list for a list, a tuple for a tuple, a dict for a dict,
+  one array for one Variable, a tuple like ``m.trainable_variables`` for a Module, so a
+  list of Modules gives a list of such tuples). A Module contributes its trainable
+  variables. A variable listed twice (``[v, v]``, ``[block, block]``) gets the full
+  gradient in every place, as with ``tf.GradientTape``. Assigns that ``fn`` makes take
+  effect, as in eager TensorFlow code. Works eagerly and in ``ps.function``.
 
 All of them run on one primitive, a binding frame (``_trace``); ``ps.function``'s trace
 is the same frame with an open set of variables.
@@ -36,39 +46,67 @@ import jax
 import numpy as np
 
 from paramstore import _trace
-from paramstore._collect import named, structured
+from paramstore._collect import Where, named, non_trainable, structured, trainable
 from paramstore._context import STATE_LOCK
 from paramstore._dtypes import shape_error
 from paramstore._store import State
 from paramstore.variable import Variable, VariableSlice
 
-__all__ = ["State", "state", "pure", "update", "grad", "value_and_grad"]
+__all__ = [
+    "State",
+    "Where",
+    "grad",
+    "non_trainable",
+    "pure",
+    "state",
+    "trainable",
+    "update",
+    "value_and_grad",
+]
 
 
-def state(vars_or_module: Any) -> State:
-    """The current values as an immutable ``{name: jax.Array}`` pytree."""
-    names, found = named(vars_or_module)
+def state(vars_or_module: Any, where: Where = None) -> State:
+    """The current values as an immutable ``{name: jax.Array}`` pytree; ``where`` keeps
+    the variables it holds for (a callable, or a regular expression searched in the
+    names; one that keeps nothing raises ValueError)."""
+    names, found = named(vars_or_module, where=where)
     return State(zip(names, (v.value() for v in found)))
 
 
-def _values_for(names: list[str], variables: list[Variable], values: Any) -> list[Any]:
+def _values_for(
+    names: list[str], variables: list[Variable], values: Any, partial: bool = False
+) -> tuple[list[str], list[Variable], list[Any]]:
+    """The names, variables and values that ``values`` gives, checked: every name (or,
+    ``partial``, only those present, none unknown) with the variable's shape."""
     if not isinstance(values, Mapping):
         raise TypeError(
             f"values must be a ps.State or a dict keyed by variable name, got "
             f"{type(values).__name__}."
         )
-    missing = [n for n in names if n not in values]
-    extra = [k for k in values if k not in set(names)]
-    if missing or extra:
-        raise KeyError(
-            f"values do not match the variables: missing {missing}, unexpected {extra}. "
-            "Build them with ps.state(variables)."
-        )
+    known = set(names)
+    extra = [k for k in values if k not in known]
+    if partial:
+        if extra:
+            raise KeyError(
+                f"values name {len(extra)} variable(s) that are not among the "
+                f"{len(names)} given: {extra}. Nothing was assigned; use the names of "
+                "ps.state(variables)."
+            )
+        chosen = [(n, v) for n, v in zip(names, variables) if n in values]
+        names, variables = [n for n, _ in chosen], [v for _, v in chosen]
+    else:
+        missing = [n for n in names if n not in values]
+        if missing or extra:
+            raise KeyError(
+                f"values do not match the variables: missing {missing}, unexpected {extra}. "
+                "Build them with ps.state(variables), or pass partial=True to assign only "
+                "the names present."
+            )
     out = [values[n] for n in names]
     for name, var, val in zip(names, variables, out):
         if tuple(np.shape(val)) != var.shape:
             raise shape_error(name, var.shape, tuple(np.shape(val)))
-    return out
+    return names, variables, out
 
 
 def _is_var(x: Any) -> bool:
@@ -101,13 +139,16 @@ def _owner(kind: str, fn: Callable[..., Any]) -> str:
     return f"{kind}({getattr(fn, '__name__', type(fn).__name__)})"
 
 
-def pure(fn: Callable[..., Any], variables: Any) -> Callable[..., tuple[Any, State]]:
-    """``fn`` as a pure function ``f(values, *args, **kw) -> (out, new_values)``."""
-    names, found = named(variables)
+def pure(
+    fn: Callable[..., Any], variables: Any, where: Where = None
+) -> Callable[..., tuple[Any, State]]:
+    """``fn`` as a pure function ``f(values, *args, **kw) -> (out, new_values)`` over the
+    variables (those ``where`` keeps, as ``ps.state(variables, where)``)."""
+    names, found = named(variables, where=where)
     owner = _owner("ps.pure", fn)
 
     def pure_fn(values: Any, *args: Any, **kwargs: Any) -> tuple[Any, State]:
-        vals = _values_for(names, found, values)
+        _, _, vals = _values_for(names, found, values)
         out, frame = _run_bound(fn, found, vals, args, kwargs, owner, _trace.PURE)
         return out, State(zip(names, map(frame.final, found)))
 
@@ -116,10 +157,14 @@ def pure(fn: Callable[..., Any], variables: Any) -> Callable[..., tuple[Any, Sta
     return pure_fn
 
 
-def update(vars_or_module: Any, values: Any) -> None:
-    """Assign ``values`` (a state) back to the variables, all or nothing."""
+def update(vars_or_module: Any, values: Any, partial: bool = False) -> None:
+    """Assign ``values`` (a state) back to the variables, all or nothing. Every variable
+    must be named in ``values`` (KeyError otherwise); with ``partial=True`` only the names
+    present are assigned, and a name that is not a variable's raises KeyError."""
+    if not isinstance(partial, bool):
+        raise TypeError(f"ps.update: partial must be True or False, got {partial!r}.")
     names, found = named(vars_or_module)
-    vals = _values_for(names, found, values)
+    _, found, vals = _values_for(names, found, values, partial)
     checked = [v._coerce(x, "assign") for v, x in zip(found, vals)]
     with STATE_LOCK:
         for v, x in zip(found, checked):
@@ -127,14 +172,15 @@ def update(vars_or_module: Any, values: Any) -> None:
 
 
 def value_and_grad(
-    fn: Callable[..., Any], variables: Any, has_aux: bool = False
+    fn: Callable[..., Any], variables: Any, has_aux: bool = False, where: Where = None
 ) -> Callable[..., tuple[Any, Any]]:
     """``f(*args) -> (fn(*args), grads)``; with ``has_aux``, ``fn`` returns ``(value, aux)``
-    and ``f`` returns ``((value, aux), grads)``."""
-    found, rebuild = structured(variables)
-    unique = list({id(v): v for v in found}.values())
+    and ``f`` returns ``((value, aux), grads)``. ``where`` keeps some of the variables (the
+    others leave the structure; see ``paramstore._collect``)."""
+    parsed = structured(variables, where)
+    unique = list({id(v): v for v in parsed.variables}.values())
     position = {id(v): i for i, v in enumerate(unique)}
-    where = [position[id(v)] for v in found]  # a variable listed twice: its gradient twice
+    at = [position[id(v)] for v in parsed.variables]  # a variable listed twice: its gradient twice
     owner = _owner("ps.value_and_grad", fn)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -154,14 +200,16 @@ def value_and_grad(
         (_, (out, new)), grads = jax.value_and_grad(loss, has_aux=True)(values)
         for var, x in zip(assigned, new):  # assigns made by fn take effect, as in eager code
             var._swap(x)
-        return out, rebuild([grads[i] for i in where])
+        return out, parsed.rebuild([grads[i] for i in at])
 
     return wrapped
 
 
-def grad(fn: Callable[..., Any], variables: Any, has_aux: bool = False) -> Callable[..., Any]:
+def grad(
+    fn: Callable[..., Any], variables: Any, has_aux: bool = False, where: Where = None
+) -> Callable[..., Any]:
     """``f(*args) -> grads`` of ``fn`` w.r.t. ``variables`` (with ``has_aux``: ``(grads, aux)``)."""
-    vg = value_and_grad(fn, variables, has_aux=has_aux)
+    vg = value_and_grad(fn, variables, has_aux=has_aux, where=where)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         out, grads = vg(*args, **kwargs)

@@ -1,6 +1,6 @@
 """``ps.Module``: a container that finds the Variables and Modules it holds.
 
-Contract (API.md, "Modules"):
+Contract (docs/api.md, "Modules"):
 
 * Variables and Modules assigned as attributes, or held in lists, tuples and dicts (any
   nesting) of attributes, are tracked. Traversal follows ``tf.Module._flatten`` exactly:
@@ -22,26 +22,25 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
-
+from paramstore import _html, _training
 from paramstore import scope as _scope
 from paramstore._context import Scope, ctx, prefixed
 from paramstore._store import default_store
+from paramstore._traverse import Key, Node, walk
 from paramstore.variable import Variable
 
 __all__ = ["Module"]
+
+# A module's own bookkeeping, never part of its variables.
+_UNTRACKED = frozenset(("_scope_name", "_module_name", "_ps_pending"))
 
 
 def _camel_to_snake(name: str) -> str:
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
-
-
-def _is_tracked(x: Any) -> bool:
-    return isinstance(x, (Variable, Module))
 
 
 def _check_name(name: Any) -> None:
@@ -51,31 +50,7 @@ def _check_name(name: Any) -> None:
         )
 
 
-def _leaves(x: Any) -> Iterator[Any]:
-    """``x`` flattened in ``tf.nest`` order, stopping at Variables and Modules: mapping keys
-    sorted (an OrderedDict's too), lists and tuples in order, other pytrees as JAX does."""
-    if _is_tracked(x):
-        yield x
-    elif isinstance(x, Mapping):
-        try:
-            keys = sorted(x)
-        except TypeError:  # unsortable keys: tf.nest refuses them; keep insertion order
-            keys = list(x)
-        for key in keys:
-            yield from _leaves(x[key])
-    elif isinstance(x, (list, tuple)):
-        for item in x:
-            yield from _leaves(item)
-    else:
-        children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
-        for child in children:
-            if child is x:
-                yield x
-            else:
-                yield from _leaves(child)
-
-
-class Module:
+class Module(Node):
     """Base class for models and layers; subclass it and assign Variables as attributes."""
 
     _scope_name: str
@@ -83,6 +58,8 @@ class Module:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "__call__" in cls.__dict__:  # training= travels down (paramstore/_training.py)
+            cls.__call__ = _training.propagate(cls.__dict__["__call__"])  # type: ignore[method-assign]
         init = cls.__dict__.get("__init__")
         if init is None:
             return
@@ -160,10 +137,18 @@ class Module:
         return tuple(self._flatten(lambda x: isinstance(x, Module)))
 
     def _flatten(self, predicate: Callable[[Any], bool]) -> Iterator[Any]:
-        return _walk(self, predicate, seen={id(self)}, stack=[])
+        return (x for _, x in walk(self) if x is not self and predicate(x))
+
+    def _ps_children(self) -> list[tuple[Key, Any]]:
+        """The attributes the traversal visits, sorted by name (``paramstore._traverse``)."""
+        attrs = vars(self)
+        return [(k, attrs[k]) for k in sorted(attrs) if k not in _UNTRACKED]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} '{self._scope_name}' ({len(self.variables)} variables)>"
+
+    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_html.py)
+        return _html.module_html(self)
 
     # Hook for ps.Checkpoint's deferred restoration (paramstore/object_checkpoint.py): a
     # restore leaves the values of not-yet-created variables in ``_ps_pending``; assigning
@@ -173,26 +158,3 @@ class Module:
         pending = self.__dict__.get("_ps_pending")
         if pending is not None:
             pending.attached(self, name, value)
-
-
-def _walk(
-    module: Module, predicate: Callable[[Any], bool], seen: set[int], stack: list[int]
-) -> Iterator[Any]:
-    """tf.Module's ``_flatten_module``: direct leaves first, then recurse into submodules."""
-    recursive = id(module) not in stack
-    submodules = []
-    for key in sorted(vars(module)):
-        if key in ("_scope_name", "_module_name"):
-            continue
-        for leaf in _leaves(vars(module)[key]):
-            if id(leaf) in seen:
-                continue
-            seen.add(id(leaf))
-            if predicate(leaf):
-                yield leaf
-            if recursive and isinstance(leaf, Module):
-                submodules.append(leaf)
-    stack.append(id(module))
-    for sub in submodules:
-        yield from _walk(sub, predicate, seen, stack)
-    stack.pop()

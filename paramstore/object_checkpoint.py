@@ -1,17 +1,21 @@
 """``ps.Checkpoint``: object-based checkpoints, as ``tf.train.Checkpoint``.
 
-Contract (API.md, "Checkpoints"; docs/checkpoints.md):
+Contract (docs/api.md, "Checkpoints"; docs/checkpoints.md):
 
 * ``Checkpoint(**objects)``: each keyword names a Module, an Optimizer, a Variable, a
   ``ps.random.Generator`` (any object whose ``.state`` is a Variable), another Checkpoint,
   or any object exposing ``.variables``. A variable is saved under its attribute path from
   the root: ``model/layers/0/w`` (attributes of a Module in sorted order, list and tuple
-  items by index, dict items by key, as ``Module.variables`` walks them), an optimizer's
-  ``optimizer/iterations`` and ``optimizer/state/<i>`` (its other variables in
-  ``opt.variables`` order, stable for the same model structure), a generator's
+  items by index, dict items by key, as ``Module.variables`` walks them: one traversal,
+  ``paramstore._traverse``), an optimizer's ``optimizer/iterations``, its per-parameter
+  slots under the parameter's path and the optax state's own path
+  (``optimizer/model/dense/kernel/mu``; never by position, so adding a layer shifts no
+  other key; a parameter that is not in the checkpoint lends its name instead:
+  ``optimizer/dense/kernel/mu``), its shared state under its optax path (``optimizer/count``), a generator's
   ``rng/state``, other objects' ``name/variables/<i>``. Store names play no part, so a model
   rebuilt under new names (a re-run notebook cell: ``dense_1/...``) restores. A variable
-  reachable twice is saved once, under its first path, and restoring it restores every
+  reachable twice is saved once, under its first path (``Module.variables``' order: a
+  module's own attributes before its submodules'), and restoring it restores every
   place that holds it.
 * ``save(path) -> str`` writes any format ``ps.Saver`` writes (``sharded=`` as there).
 * ``restore(path) -> CheckpointStatus``: every value for an existing variable is read,
@@ -32,74 +36,40 @@ from typing import Any
 
 import numpy as np
 
-from paramstore._format import CheckpointError, PathLike
-from paramstore._store import preview_names
-from paramstore.checkpoint import (
+from paramstore._checkpoint_readers import opened
+from paramstore._checkpoint_saver import (
     Saver,
     assign_all,
     mismatch,
-    opened,
     outside_traces,
     placements_for,
 )
+from paramstore._format import CheckpointError, PathLike
+from paramstore._store import preview_names
+from paramstore._traverse import walk
 from paramstore.module import Module
-from paramstore.optimizer import Optimizer
 from paramstore.variable import Variable, set_initial_value
 
 __all__ = ["Checkpoint", "CheckpointStatus"]
 
-_SKIP = ("_scope_name", "_module_name", "_ps_pending")
-
-
-def _walk(
-    obj: Any, path: str, variables: dict[str, Variable], modules: dict[str, Module], seen: set[int]
-) -> None:
-    """Collect ``{path: Variable}`` and ``{path: Module}`` under ``obj`` (first path wins)."""
-    if isinstance(obj, Variable):
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            variables[path] = obj
-        return
-    if isinstance(obj, Checkpoint):
-        for key in sorted(obj.objects):
-            _walk(obj.objects[key], f"{path}/{key}" if path else key, variables, modules, seen)
-        return
-    if id(obj) in seen:
-        return
-    if isinstance(obj, Optimizer):
-        seen.add(id(obj))
-        _walk(obj.iterations, f"{path}/iterations", variables, modules, seen)
-        others = [v for v in obj.variables if v is not obj.iterations]
-        for i, v in enumerate(others):
-            _walk(v, f"{path}/state/{i}", variables, modules, seen)
-        return
-    if isinstance(obj, Module):
-        seen.add(id(obj))
-        modules[path] = obj
-        attrs = vars(obj)
-        for key in sorted(attrs):
-            if key not in _SKIP:
-                _walk(attrs[key], f"{path}/{key}", variables, modules, seen)
-        return
-    if isinstance(obj, Mapping):
-        for key in sorted(obj, key=str):
-            _walk(obj[key], f"{path}/{key}", variables, modules, seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            _walk(item, f"{path}/{i}", variables, modules, seen)
-    elif isinstance(getattr(obj, "state", None), Variable):  # ps.random.Generator
-        seen.add(id(obj))
-        _walk(obj.state, f"{path}/state", variables, modules, seen)
-    elif hasattr(obj, "variables"):  # any other object exposing its variables
-        seen.add(id(obj))
-        _walk(list(obj.variables), f"{path}/variables", variables, modules, seen)
-
 
 def object_paths(root: Any, prefix: str = "") -> tuple[dict[str, Variable], dict[str, Module]]:
-    """``({path: Variable}, {path: Module})`` reachable from ``root``."""
+    """``({path: Variable}, {path: Module})`` reachable from ``root`` (the shared traversal,
+    ``paramstore._traverse.walk``, with holders; each object under its first path)."""
     variables: dict[str, Variable] = {}
     modules: dict[str, Module] = {}
-    _walk(root, prefix, variables, modules, set())
+    for path, obj in walk(root, prefix, holders=True):
+        assert path is not None
+        if isinstance(obj, Variable):
+            if path in variables:
+                raise CheckpointError(
+                    f"ps.Checkpoint: two variables ('{variables[path].name}' and '{obj.name}') "
+                    f"have the same path '{path}' (keys such as 1 and '1' in one dict); "
+                    "rename one of them."
+                )
+            variables[path] = obj
+        elif isinstance(obj, Module):
+            modules[path] = obj
     return variables, modules
 
 
@@ -129,11 +99,21 @@ class _Pending:
     def attached(self, module: Module, name: str, value: Any) -> None:
         """``module.<name> = value`` happened: restore what ``value`` holds."""
         variables, modules = object_paths(value, name)
-        for key in [k for k in self.values if k == name or k.startswith(name + "/")]:
-            target = variables.get(key)
-            if target is not None:
-                full, saved = self.values.pop(key)
-                self.status.apply(target, saved, full)
+        keys = [k for k in self.values if k == name or k.startswith(name + "/")]
+        direct = [(k, variables[k]) for k in keys if k in variables]
+        for key, target in direct:  # check them all before giving any its value
+            full, saved = self.values[key]
+            if tuple(target.shape) != saved.shape or target.dtype != saved.dtype:
+                raise CheckpointError(
+                    mismatch(self.status.path, full, saved.shape, saved.dtype, target)
+                    + " The saved value stays pending until the variable is created with "
+                    "its shape and dtype."
+                )
+        for key, target in direct:
+            full, saved = self.values.pop(key)
+            self.status.apply(target, saved, full)
+        for key in keys:
+            if key in variables:
                 continue
             found = _deepest_module(key, modules)
             if found is not None:
@@ -227,8 +207,14 @@ class Checkpoint:
                     f"ps.Checkpoint: {key}= is a {type(obj).__name__}; expected a Module, an "
                     "Optimizer, a Variable, a ps.random.Generator or a Checkpoint."
                 )
+        if sharded is not None and not isinstance(sharded, bool):
+            raise TypeError(f"ps.Checkpoint: sharded must be None, True or False, got {sharded!r}.")
         self.objects: dict[str, Any] = objects
         self.sharded = sharded
+
+    def _ps_children(self) -> list[tuple[str, Any]]:
+        """The objects by keyword, sorted (for the shared traversal)."""
+        return sorted(self.objects.items())
 
     def variables_by_path(self) -> dict[str, Variable]:
         """``{attribute path: Variable}`` as the objects stand now (what ``save`` writes)."""
@@ -246,7 +232,14 @@ class Checkpoint:
         """Restore the objects' variables from ``path`` (any checkpoint ``ps.Saver``
         reads) and keep the values of variables not created yet (see the module
         docstring). On a corrupt file, or a shape or dtype that differs, raises
-        CheckpointError and changes nothing."""
+        CheckpointError and changes nothing. The variables change together, under the lock
+        a step takes: a step runs before all of them or after all of them."""
+        return self._restore(path, existing_matched=False)
+
+    def _restore(self, path: PathLike, existing_matched: bool) -> CheckpointStatus:
+        """``restore``; with ``existing_matched``, a variable of the objects that the file
+        lacks is an error raised before anything is assigned (what
+        ``assert_existing_objects_matched`` checks after, for ``restore_latest``)."""
         outside_traces("restore")
         variables, modules = object_paths(self)
         with opened(path) as reader:
@@ -259,6 +252,9 @@ class Checkpoint:
                     found = _deepest_module(name, modules)
                     if found is not None:
                         later[name] = found
+            if existing_matched and len(present) < len(variables):
+                status._restored = {id(v) for v in present.values()}
+                status.assert_existing_objects_matched()
             placements = placements_for(reader.path, entries, present, {})
             placements.update(dict.fromkeys(later))
             values = reader.load(placements)

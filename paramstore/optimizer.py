@@ -1,17 +1,20 @@
 """``ps.Optimizer``: any optax ``GradientTransformation`` over Variables.
 
-Contract (API.md, "Optimizers"):
+Contract (docs/api.md, "Optimizers"):
 
-* ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is a list or
-  tuple of Variables, a dict ``{key: Variable}``, or a Module (then its
-  ``trainable_variables`` *at construction*: build the model before its optimizer), or any
-  other collection ``ps.grad`` accepts (Modules in a list, nested lists...: then optax sees
-  a flat list in ``paramstore._collect``'s order). One bare Variable is a TypeError (wrap
-  it in a list: gradients come back in the structure of ``variables``).
-  ``name`` must be a str (else TypeError, and nothing is created).
+* ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is any
+  collection ``ps.grad`` accepts, read by the same parser (``paramstore._collect``): a
+  list or tuple of Variables, a dict ``{key: Variable}``, a Module (then its
+  ``trainable_variables`` *at construction*: build the model before its optimizer), Modules
+  in a list, nested lists... One bare Variable is a TypeError (wrap it in a list:
+  gradients come back in the structure of ``variables``). A variable the collection
+  reaches twice (``[v, v]``, ``[dense, dense]``, ``[model, model.dense]``) is a ValueError
+  naming it: a step updates each variable once (``ps.grad`` gives such a variable its full
+  gradient in each place). ``name`` must be a str (else TypeError, and nothing is created).
 * Masks and labels by name: optax sees the parameters as a pytree shaped like
-  ``variables`` (a list, tuple or dict with the same keys); for a Module, a dict keyed by
-  the variables' full names (``"dense/kernel"``). So ``optax.adamw(1e-3,
+  ``variables`` (a list, tuple or dict with the same keys); for a Module or a nested
+  collection (Modules in a list...), a dict keyed by the variables' full names
+  (``"dense/kernel"``). So ``optax.adamw(1e-3,
   mask=lambda p: {k: not k.endswith("bias") for k in p})`` leaves the biases out of weight
   decay, and ``optax.multi_transform(txs, lambda p: {k: "slow" if k.startswith("emb")
   else "fast" for k in p})`` labels by name. ``ps.Optimizer.by_name(fn)`` wraps
@@ -28,6 +31,9 @@ Contract (API.md, "Optimizers"):
   ``"optimizer/hyperparams/learning_rate"``); list indices of ``optax.chain`` are left out
   unless two names would collide. Slots are placed like their variable (same sharding);
   counters and other shared state replicated over the first variable's devices.
+  In a ``ps.Checkpoint`` a slot is keyed by its parameter's path and its optax path
+  (``optimizer/model/dense/kernel/mu``), never by position (``_ps_children`` gives the
+  shared traversal ``Relative`` keys), so adding a layer shifts no other key.
   So the state checkpoints, threads through ``ps.function`` (and is donated there) like
   any other state. ``opt.variables`` is all of it, ``opt.iterations`` (an int32 step
   counter, incremented by each ``apply_gradients``) first. An Optimizer is a
@@ -35,7 +41,8 @@ Contract (API.md, "Optimizers"):
   module's ``variables``.
 * ``opt.apply_gradients(grads, **extra_args)``: ``grads`` has the structure of
   ``variables``, as ``ps.grad(fn, variables)`` returns it (a list or tuple for a list or
-  tuple, a dict with the same keys for a dict, a tuple for a Module), or is the TF form
+  tuple, a dict with the same keys for a dict, a tuple for a Module, a list of tuples for
+  a list of Modules; a nested collection's gradients may also come flat), or is the TF form
   ``zip(grads, vars)``, which must name every optimized variable once. It runs one
   ``tx.update`` on the whole pytree (``extra_args`` go to it, e.g. ``value=loss`` for
   ``optax.contrib.reduce_on_plateau``), one ``optax.apply_updates``, and assigns.
@@ -66,15 +73,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from paramstore._optim_grads import Targets
-from paramstore._optim_slots import hyperparam_leaves, slot_names
+from paramstore._optim_slots import hyperparam_leaves, replicated_like, slot_names, state_sharding
+from paramstore._placement import unplaced
+from paramstore._traverse import Key, Relative
 from paramstore.function import function
 from paramstore.module import Module
 from paramstore.variable import Variable
 
 __all__ = ["Optimizer"]
+
+
+# The optimizer's own attributes, visited through _ps_children (not by attribute name).
+_OWN_ATTRIBUTES = frozenset(
+    (
+        "_tx",
+        "_targets",
+        "_jit_compile",
+        "_iterations",
+        "_treedef",
+        "_state_variables",
+        "_state_keys",
+        "_hyper",
+        "_compiled",
+    )
+)
 
 
 class _Hidden:
@@ -138,36 +162,44 @@ class Optimizer(Module):
         self._targets = _Hidden(targets)
         self._jit_compile = bool(jit_compile)
         first = next(v for v, o in zip(targets.variables, targets.optimized) if o)
-        replicated = _replicated_like(first.sharding)
+        replicated = replicated_like(first.sharding)
         with jax.ensure_compile_time_eval():  # concrete even in a ps.function's first trace
             zero = jnp.zeros((), jnp.int32)
             init_state = tx.init(targets.params())
             path_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(init_state)
             paths = [p for p, _ in path_leaves]
             leaves = [_as_state_array(p, leaf) for p, leaf in path_leaves]
-        self._iterations = Variable(
-            zero, trainable=False, name="iterations", sharding=_placement(replicated, zero)
-        )
         names, owners = slot_names(paths, [a.shape for a in leaves], targets.param_keys())
-        self._state_variables = [
-            # a slot is placed like its variable, anything else replicated beside the first
-            Variable(
-                arr,
+        with unplaced():  # each slot exactly where its variable is, whatever ps.device says
+            self._iterations = Variable(
+                zero,
                 trainable=False,
-                name=slot,
-                sharding=_placement(
-                    owner.sharding
-                    if owner is not None and owner.shape == arr.shape
-                    else replicated,
-                    arr,
-                ),
+                name="iterations",
+                sharding=state_sharding(None, zero, replicated),
             )
-            for arr, slot, owner in zip(leaves, names, owners)
+            self._state_variables = [
+                Variable(
+                    arr, trainable=False, name=slot, sharding=state_sharding(owner, arr, replicated)
+                )
+                for arr, slot, owner in zip(leaves, names, owners)
+            ]
+        # checkpoint keys: a slot under its parameter's path, never its position
+        self._state_keys: list[Key] = [
+            slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
+            for slot, owner in zip(names, owners)
         ]
         self._hyper = _Hidden(
             [(short, self._state_variables[j]) for j, short in hyperparam_leaves(paths)]
         )
         self._compiled: Callable[..., Any] = function(self._step)
+
+    def _ps_children(self) -> list[tuple[Key, Any]]:
+        """What the shared traversal visits (``Module.variables``, ``ps.Checkpoint``): the
+        step counter, then each state variable keyed by its parameter's path and its optax
+        path (``Relative``), then any attribute a subclass added."""
+        own = [("iterations", self._iterations), *zip(self._state_keys, self._state_variables)]
+        extra = [(k, v) for k, v in super()._ps_children() if k not in _OWN_ATTRIBUTES]
+        return [*own, *extra]
 
     @staticmethod
     def by_name(fn: Callable[[str], Any]) -> Callable[[Any], Any]:
@@ -332,21 +364,6 @@ def _as_state_array(path: Any, leaf: Any) -> jax.Array:
             f"ps.Optimizer: the optax state has a leaf at {jax.tree_util.keystr(path)} "
             f"that is not an array ({type(leaf).__name__}); it cannot be a Variable."
         ) from None
-
-
-def _replicated_like(sharding: Any) -> Any:
-    """A replicated sharding over the devices of ``sharding`` (None: leave on the default)."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
-    if sharding is not None and len(sharding.device_set) == 1:
-        return sharding
-    return None
-
-
-def _placement(want: Any, arr: Any) -> Any:
-    """``want`` where it differs from where ``arr`` is; None keeps ``arr`` as it is (an
-    uncommitted array on the default device stays uncommitted, like the variables there)."""
-    return want if want is not None and want != arr.sharding else None
 
 
 def _all_arrays(tree: Any) -> bool:

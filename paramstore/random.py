@@ -1,6 +1,6 @@
 """Randomness as state: ``ps.random.Generator``, ``next_key`` and ``set_seed``.
 
-Contract (API.md, "Initializers and randomness"):
+Contract (docs/api.md, "Initializers and randomness"):
 
 * ``Generator(seed)`` (also ``Generator.from_seed(seed)``) is a stateful key stream, as
   ``tf.random.Generator``: its state is a non-trainable ``uint32`` Variable (``g.state``,

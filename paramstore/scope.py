@@ -1,6 +1,6 @@
 """Names, scopes, sharing: ``name_scope``, ``variable_scope``, ``get_variable``, ``VariableStore``.
 
-Contract (API.md, "Names, scopes and sharing"), following TensorFlow 1 graphs:
+Contract (docs/api.md, "Names, scopes and sharing"), following TensorFlow 1 graphs:
 
 * A ``VariableStore`` owns a namespace of full names. Every Variable created while a store
   is the default is tracked there weakly and gets a unique full name: a second ``"v"``

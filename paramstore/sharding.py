@@ -1,6 +1,6 @@
 """Device placement and sharding of variables, on JAX's own distributed runtime.
 
-Contract (API.md, "Devices and sharding"; docs/sharding.md has the guide):
+Contract (docs/api.md, "Devices and sharding"; docs/sharding.md has the guide):
 
 * ``with ps.device("cpu:0"):`` (also ``"gpu:1"``, ``"/device:GPU:1"``, ``"cpu"`` for the
   first one, or a ``jax.Device``) places every Variable created inside on that device. A
@@ -27,6 +27,19 @@ Contract (API.md, "Devices and sharding"; docs/sharding.md has the guide):
   devices of all processes; every process creates it with the same initial value and keeps
   only its own shards. Checkpoints are then written through Orbax, each process writing
   its own shards (see ``paramstore.checkpoint``).
+
+Models larger than one device (docs/api.md; ``paramstore._layout`` and ``paramstore._abstract``
+hold what variable creation consults):
+
+* ``LayoutMap(mesh)`` (name regexes -> layouts, Keras 3 semantics) used through
+  ``with ps.device(layout_map):``; ``partition=`` on variables and layers, mapped to mesh
+  axes inside ``with axis_rules(mesh, rules):``. ``specs(model)`` gives each variable's
+  ``PartitionSpec`` over the mesh axes (``P()`` for a variable on one device or none).
+* A variable that gets a sharding from an initializer is computed by a program compiled
+  with that output sharding: no device ever holds more than its shards.
+* ``with ps.abstract():`` creates variables with shape, dtype and sharding only;
+  ``initialize(model)`` runs the initializers of its abstract variables as one sharded
+  program (a checkpoint restore makes them concrete too).
 """
 
 from __future__ import annotations
@@ -37,8 +50,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from paramstore import _trace
+from paramstore import _abstract, _trace
+from paramstore._abstract import abstract
 from paramstore._collect import variables_of
+from paramstore._layout import Layout, LayoutMap, Partition, axis_rules
 from paramstore._placement import (
     check_fits,
     current_placement,
@@ -49,8 +64,16 @@ from paramstore._placement import (
     replicated,
     resolve_device,
 )
+from paramstore.variable import Variable, set_initial_value
 
 __all__ = [
+    "LayoutMap",
+    "Layout",
+    "Partition",
+    "axis_rules",
+    "specs",
+    "abstract",
+    "initialize",
     "device",
     "resolve_device",
     "placement",
@@ -58,6 +81,7 @@ __all__ = [
     "check_fits",
     "place",
     "reshard",
+    "plan",
     "replicated",
     "settle_unplaced",
     "describe",
@@ -157,3 +181,56 @@ def plan(
         check_fits(target, v.shape, f"variable '{v.name}'")
         out.append((v, target))
     return out
+
+
+def specs(variables: Any) -> dict[str, PartitionSpec]:
+    """``{full name: PartitionSpec}`` of ``variables`` (a Module, a list, a dict ...): each
+    variable's spec over its mesh's axes, ``P()`` when it is replicated, on one device, or
+    a host-side string variable. Abstract variables give the spec they will have."""
+    out: dict[str, PartitionSpec] = {}
+    for v in variables_of(variables):
+        sharding = v.sharding
+        out[v.name] = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    return out
+
+
+def initialize(variables: Any) -> list[Variable]:
+    """Give the abstract variables of ``variables`` (a Module, an Optimizer, a list ...)
+    their initial values: their initializers run as one program compiled with their
+    shardings as output shardings, each under its own name-derived key (the values an
+    eager creation would give). Concrete variables are left alone. Returns the variables
+    it initialized. A variable made abstract from a shape only (``ps.Variable(
+    jax.ShapeDtypeStruct(...))``) has no initializer: then ``ValueError`` naming it, and no
+    variable changes; restore a checkpoint into it instead."""
+    if _trace.active():
+        raise RuntimeError(
+            "ps.initialize creates the variables' arrays; call it outside ps.function, "
+            "ps.pure and the gradient functions."
+        )
+    todo = [v for v in variables_of(variables) if v.is_abstract]
+    makes = []
+    for v in todo:
+        _, make = _abstract.initializer_of(v)
+        if make is None:
+            raise ValueError(
+                f"Variable '{v.name}' is abstract with no initializer (it was made from a "
+                "shape only, e.g. ps.Variable(jax.ShapeDtypeStruct(...))), so "
+                "ps.initialize cannot give it a value. Restore a checkpoint into it, or "
+                "create it with an initializer."
+            )
+        makes.append(make)
+    placed = [i for i, v in enumerate(todo) if v.sharding is not None]
+    free = [i for i, v in enumerate(todo) if v.sharding is None]
+    values: dict[int, Any] = {}
+    for group, shardings in ((placed, [todo[i].sharding for i in placed]), (free, None)):
+        if not group:
+            continue
+        got = (
+            _abstract.run_sharded([makes[i] for i in group], shardings)
+            if shardings is not None
+            else jax.jit(lambda group=group: [makes[i]() for i in group])()
+        )
+        values.update(zip(group, got))
+    for i, v in enumerate(todo):
+        set_initial_value(v, values[i], owned=True)
+    return todo

@@ -1,6 +1,6 @@
 """``ps.Variable``: a stateful facade over an immutable ``jax.Array``.
 
-Contract (see API.md, "Variables"):
+Contract (see docs/api.md, "Variables"):
 
 * A Variable holds one immutable array. ``assign`` builds a new array and swaps it in, so a
   value read before an assign keeps its old contents. Shape and dtype never change.
@@ -33,6 +33,12 @@ Contract (see API.md, "Variables"):
 * ``copy.deepcopy(v)`` is an independent variable (same value, dtype, shape, trainable
   flag; a new unique name in the current default store); ``pickle`` raises ``TypeError``
   pointing to ``ps.Saver`` / ``ps.Checkpoint``.
+* Where a new variable lives and how its initializer runs (docs/api.md, "Models larger than one
+  device") is ``paramstore._creation``'s: an initializer with a multi-device sharding runs
+  compiled with it as output sharding; inside ``ps.abstract()`` a variable is an
+  ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``).
+  ``set_initial_value`` is the one way to make an abstract variable concrete with a given
+  array (checkpoint restores call it, and ``ps.initialize``).
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore import _trace
+from paramstore import _abstract, _html, _trace
 from paramstore._array_ops import ArrayOps, unwrap
 from paramstore._context import STATE_LOCK, prefixed
+from paramstore._creation import abstract_value, created, shaped
 from paramstore._dtypes import (
     STRING,
     dtype_error,
@@ -56,10 +63,11 @@ from paramstore._dtypes import (
     strong,
     to_strings,
 )
-from paramstore._initial import broadcasts, flag, fresh, parse_initial
+from paramstore._initial import broadcasts, flag, fresh
 from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, staging
+from paramstore._layout import check_partition
 from paramstore._ownership import ownership
-from paramstore._placement import place, placement
+from paramstore._placement import place
 from paramstore._slice import VariableSlice
 from paramstore._store import default_store
 
@@ -121,6 +129,7 @@ class Variable(ArrayOps):
         "_is_string",
         "_is_key",
         "_arith",
+        "_partition",
         "__weakref__",
     )
 
@@ -133,6 +142,8 @@ class Variable(ArrayOps):
         *,
         device: Any = None,
         sharding: Any = None,
+        shape: Any = None,
+        partition: Any = None,
         _full_name: str | None = None,
     ) -> None:
         if initial_value is _MISSING or initial_value is None:
@@ -153,8 +164,20 @@ class Variable(ArrayOps):
             full_name = store.unique_name(base, reserve=False)
         else:  # get_variable and copies: the exact name
             full_name = _full_name
-        placed = placement(device, sharding)
-        value, owned = parse_initial(initial_value, dtype, full_name)
+        part = check_partition(partition, full_name, None)
+        if shape is not None:
+            initial_value = shaped(initial_value, shape, dtype, full_name)
+        if _abstract.creating() or isinstance(initial_value, jax.ShapeDtypeStruct):
+            struct, make = abstract_value(initial_value, dtype, full_name, part, device, sharding)
+            self._set_fields(
+                struct, not is_key_dtype(struct.dtype) if trainable is None else trainable, True
+            )
+            self._partition = part
+            self.__class__ = _Abstract
+            _abstract.remember(self, make)
+            self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
+            return
+        value, owned, placed = created(initial_value, dtype, full_name, part, device, sharding)
         traced = isinstance(value, Tracer)
         if not traced and not isinstance(value, np.ndarray) and placed is not None:
             value = place(value, placed, f"variable '{full_name}'")  # may share a buffer
@@ -162,15 +185,10 @@ class Variable(ArrayOps):
             trainable = not is_key_dtype(value.dtype)
         self._set_fields(value, trainable, owned)
         self._name = full_name
-        if traced:  # bound in the ps.function trace; its array comes after the trace
-            if placed is not None:
-                raise ValueError(
-                    f"Variable '{full_name}': device=/sharding= with an initial value computed "
-                    "inside a ps.function is not supported; create it with a concrete or "
-                    "callable initial value, or reshard it after the first call."
-                )
-            _trace.create(self, value)
-            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype)  # type: ignore[no-untyped-call]
+        self._partition = part
+        if traced:  # bound in the ps.function trace; its array comes after the trace, made
+            _trace.create(self, value)  # by ps.function in a program with this sharding
+            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)  # type: ignore[no-untyped-call]
             ownership.adopt(self, placeholder, owned=True)
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
@@ -227,6 +245,17 @@ class Variable(ArrayOps):
         return int(np.prod(self._shape, dtype=np.int64))
 
     @property
+    def partition(self) -> tuple[Any, ...] | None:
+        """The logical axis names given as ``partition=`` (one per dimension), or None."""
+        return getattr(self, "_partition", None)
+
+    @property
+    def is_abstract(self) -> bool:
+        """Whether the variable has a shape, dtype and sharding but no value yet
+        (created inside ``ps.abstract()``; restore or ``ps.initialize`` it)."""
+        return False
+
+    @property
     def sharding(self) -> Any:
         """The value's ``jax.sharding.Sharding`` (None for a string variable)."""
         return None if self._is_string else ownership.peek(self).sharding
@@ -246,6 +275,9 @@ class Variable(ArrayOps):
 
     def __getitem__(self, index: Any) -> VariableSlice:
         return VariableSlice(self, index)
+
+    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_html.py)
+        return _html.variable_html(self)
 
     def __repr__(self) -> str:
         head = f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()}"
@@ -460,21 +492,93 @@ class _Detached(Variable):
         )
 
 
-def set_initial_value(var: Variable, value: Any) -> None:
+class _Abstract(Variable):
+    """A variable with a shape, dtype and sharding but no value (``ps.abstract()``): every
+    use raises ``_abstract.error``; ``_write`` (through ``set_initial_value``) gives it its
+    value and turns it into a plain ``Variable``."""
+
+    __slots__ = ()
+
+    @property
+    def is_abstract(self) -> bool:
+        return True
+
+    def value(self) -> Any:
+        raise _abstract.error(self._name, "read")
+
+    read_value = value
+
+    def numpy(self) -> np.ndarray:
+        raise _abstract.error(self._name, "read")
+
+    def assign(self, value: Any, read_value: bool = True) -> Variable | None:
+        raise _abstract.error(self._name, "assigned")
+
+    def assign_add(self, delta: Any, read_value: bool = True) -> Variable | None:
+        raise _abstract.error(self._name, "assigned")
+
+    assign_sub = assign_add
+
+    def _coerce(self, value: Any, op: str, *, host: bool = False) -> Any:
+        raise _abstract.error(self._name, "assigned")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or not hasattr(jax.Array, name):
+            raise AttributeError(f"'ps.Variable' object has no attribute {name!r}")
+        raise _abstract.error(self._name, f"used (.{name})")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        raise _abstract.error(self._name, "copied")
+
+    __copy__ = __deepcopy__
+
+    def __repr__(self) -> str:
+        where = (
+            ""
+            if ownership.peek(self).sharding is None
+            else f" sharding={ownership.peek(self).sharding}"
+        )
+        return (
+            f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()} "
+            f"abstract{where}>"
+        )
+
+    def _write(self, new: Any, owned: bool = False) -> None:
+        want = ownership.peek(self).sharding
+        if want is not None and getattr(new, "sharding", want) != want:
+            new = jax.device_put(new, want)
+        with STATE_LOCK:
+            self.__class__ = Variable  # type: ignore[assignment]
+            _abstract.forget(self)
+            Variable._write(self, new, owned)
+
+
+def set_initial_value(var: Variable, value: Any, *, owned: bool | None = None) -> None:
     """Give ``var`` the value ``value`` as its state, not as a step of a compiled program:
     for a variable created in a ``ps.function`` trace whose initial value is still being
     computed, ``value`` replaces that initial value when the trace completes; otherwise it
-    is written now (also while a trace is active). Used by deferred restoration."""
+    is written now (also while a trace is active). Used by deferred restoration.
+
+    The entry point that makes an ABSTRACT variable concrete (checkpoint restores,
+    ``ps.initialize``): ``value`` (a ``jax.Array``, ideally already on ``var.sharding``, or
+    a NumPy array, then put straight onto ``var.sharding``: each device receives only its
+    shard) is checked for dtype (lossless conversions only) and shape, placed on the
+    variable's sharding, and becomes its value; ``var.is_abstract`` is then False.
+    ``owned=True`` says nobody else holds ``value``'s buffer (default: worked out)."""
+    abstract = isinstance(var, _Abstract)
+    coerce = Variable._coerce if abstract else type(var)._coerce
     with jax.ensure_compile_time_eval(), _trace.no_frames():
-        new = var._coerce(value, "restore")
+        new = coerce(var, value, "restore")
         if isinstance(new, np.ndarray) and not var._is_string:
-            new = jnp.asarray(new)
+            new = jax.device_put(new, var.sharding) if abstract else jnp.asarray(new)
     if tuple(new.shape) != var.shape:
         raise shape_error(var.name, var.shape, tuple(new.shape))
-    if var._pending():
+    if owned is None:
+        owned = fresh(value, new)
+    if not abstract and var._pending():
         ownership.initial(var, new)
     else:
-        var._write(new, owned=fresh(value, new))
+        var._write(new, owned=owned)
 
 
 def _copy_name(name: str) -> str:
@@ -501,3 +605,4 @@ def _unflatten(aux: tuple[str, bool], children: Any) -> Any:
 
 jax.tree_util.register_pytree_node(Variable, _flatten, _unflatten)
 jax.tree_util.register_pytree_node(_Detached, _flatten, _unflatten)
+jax.tree_util.register_pytree_node(_Abstract, _flatten, _unflatten)

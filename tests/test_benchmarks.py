@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,31 @@ def test_step_benchmark_prints_ratios_to_the_reference():
     out = run("step.py", "--quick", "--models", "dispatch", "--variants", "ps.function")
     assert "jax.jit (donated) [reference]" in out and "ps.function" in out
     assert "first call (trace+compile+step), ps.function / jax.jit" in out
+
+
+@pytest.mark.slow
+def test_depth_benchmark_prints_the_targets():
+    root = str(BENCH.parent)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "depth.py"),
+            "--quick",
+            "--variants",
+            "ps.nn.Repeat,ps.nn.Repeat(remat=True),jax scan [reference]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step at 4 layers, ps.nn.Repeat / reference" in done.stdout
+    assert "temp memory at 4 layers, remat=True / plain" in done.stdout
+
+
+@pytest.mark.slow
+def test_metrics_benchmark_prints_ratios_to_the_hand_written_sums():
+    out = run("metrics.py", "--quick")
+    assert "ps.function + hand-written sums [reference]" in out
+    assert "ps.function + ps.metrics (3 metrics)" in out and "async cpu us" in out

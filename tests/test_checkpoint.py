@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import paramstore as ps
-from paramstore import _safetensors, checkpoint, cli
+from paramstore import _checkpoint_file, _checkpoint_manager, checkpoint, cli
 from paramstore.checkpoint import CheckpointError, CheckpointManager, Saver
 
 STRING = np.dtypes.StringDType()
@@ -522,7 +522,7 @@ def test_failed_save_leaves_the_old_file_and_no_temp(saved, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_safetensors, "_write_tensor", boom)
+    monkeypatch.setattr(_checkpoint_file, "_write_tensor", boom)
     with pytest.raises(OSError, match="disk full"):
         Saver(variables).save(path)
     assert path.read_bytes() == old
@@ -618,7 +618,7 @@ def test_async_save_copies_now_writes_later(tmp_path, monkeypatch):
         gate.wait(10)
         return real(path, arrays)
 
-    monkeypatch.setattr(checkpoint, "write_arrays", slow)
+    monkeypatch.setattr(_checkpoint_manager, "write_arrays", slow)
     path = manager.save(1)
     v.assign(jnp.ones(1000))  # after save returned: not in checkpoint 1
     assert not os.path.exists(path)  # still being written
@@ -639,7 +639,7 @@ def test_async_save_error_is_raised_by_wait_and_next_save(tmp_path, monkeypatch)
         time.sleep(0.01)
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(checkpoint, "write_arrays", fail)
+    monkeypatch.setattr(_checkpoint_manager, "write_arrays", fail)
     manager.save(1)
     with pytest.raises(OSError, match="no space left"):
         manager.wait()

@@ -41,14 +41,14 @@ CHILD = textwrap.dedent(
     import os, sys, time
     import numpy as np
     import paramstore as ps
-    from paramstore import _safetensors, checkpoint
+    from paramstore import _checkpoint_file, checkpoint
 
     directory, pause = sys.argv[1], sys.argv[2] == "pause"
     variables = [ps.Variable(np.full(2**20, i, np.float32), name=f"layer_{i}/w") for i in range(16)]
     manager = checkpoint.CheckpointManager(directory, variables)
     manager.save(1)
     if pause:
-        real, written = _safetensors._write_tensor, []
+        real, written = _checkpoint_file._write_tensor, []
 
         def write_then_hang(f, t, checksums):
             real(f, t, checksums)
@@ -58,7 +58,7 @@ CHILD = textwrap.dedent(
                 print("MIDWAY", flush=True)
                 time.sleep(120)
 
-        _safetensors._write_tensor = write_then_hang
+        _checkpoint_file._write_tensor = write_then_hang
     step = 2
     while True:
         for v in variables:
@@ -146,13 +146,13 @@ def test_async_save_error_at_exit_is_reported(tmp_path):
         """
         import sys
         import paramstore as ps
-        from paramstore import checkpoint
+        from paramstore import _checkpoint_manager, checkpoint
 
         def fail(path, arrays):
             raise OSError("disk on fire")
 
         manager = checkpoint.CheckpointManager(sys.argv[1], [ps.Variable(1.0)], async_save=True)
-        checkpoint.write_arrays = fail
+        _checkpoint_manager.write_arrays = fail
         manager.save(1)
         """
     )

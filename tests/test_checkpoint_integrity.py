@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import paramstore as ps
-from paramstore import _orbax, _safetensors, checkpoint, cli
+from paramstore import _checkpoint_file, _orbax, checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
 
 needs_orbax = pytest.mark.skipif(
@@ -113,10 +113,16 @@ def test_every_single_bit_flip_is_caught(tmp_path, variables, where):
 
 def test_nesting_bomb_is_refused_before_parsing(tmp_path, variables):
     path = tmp_path / "bomb.safetensors"
-    text = b"{" + b'"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    meta = b'"__metadata__":{"paramstore.format_version":"2"},'
+    text = b"{" + meta + b'"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     text += b" " * (-len(text) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text)
     check_refused(variables, path, "nests 100001 levels deep")
+    # without any paramstore key it is refused sooner, as unverified
+    text = b"{" + b'"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    check_refused(variables, path, "no paramstore checksums")
     assert cli.main(["inspect", str(path)]) == 1
 
 
@@ -139,7 +145,7 @@ def test_a_readme_is_not_a_checkpoint(tmp_path, variables):
 
 
 def test_writer_refuses_a_header_readers_would_refuse(tmp_path, monkeypatch):
-    monkeypatch.setattr(_safetensors, "MAX_HEADER", 64)
+    monkeypatch.setattr(_checkpoint_file, "MAX_HEADER", 64)
     with pytest.raises(CheckpointError, match="header would take"):
         checkpoint.write_arrays(tmp_path / "c.safetensors", {"a" * 100: np.zeros(1)})
     assert os.listdir(tmp_path) == []
@@ -284,6 +290,6 @@ def test_a_tensor_whose_last_chunk_is_small_round_trips(tmp_path):
     """A tensor of 16 MiB + 100 KiB: its first chunk is hashed by the worker, its small last
     chunk must follow it there (hashed inline first, the checksum was wrong)."""
     a = np.arange((16 * 2**20 + 100 * 1024) // 4, dtype=np.float32)
-    path = _safetensors.write_arrays(tmp_path / "odd.safetensors", {"a": a})
-    with _safetensors.SafetensorsFile(path) as f:
+    path = _checkpoint_file.write_arrays(tmp_path / "odd.safetensors", {"a": a})
+    with _checkpoint_file.SafetensorsFile(path) as f:
         np.testing.assert_array_equal(f.load({"a": None})["a"], a)

@@ -121,5 +121,7 @@ def test_keras_weights_h5(keras_file, capsys):
 
 def test_without_the_extra_a_clear_error(tf2_prefix, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow", None)
+    # the index is read in Python: listing needs no TensorFlow; values do
+    assert len(checkpoint.list_variables(tf2_prefix)) == 3
     with pytest.raises(ImportError, match=r"pip install 'paramstore\[tensorflow\]'"):
-        checkpoint.list_variables(tf2_prefix)
+        checkpoint.load_variable(tf2_prefix, "model/bias/.ATTRIBUTES/VARIABLE_VALUE")

@@ -26,7 +26,8 @@ def test_short_run_reports_accuracy_and_saves(tmp_path, capsys):
     argv = ["--steps", "30", "--batch-size", "32", "--seed", "1", "--output-dir", str(out_dir)]
     assert demo.main(argv) == 0
     out = capsys.readouterr()
-    assert 0.0 <= _accuracy(out.out) <= 1.0
+    # 30 Adam steps on digits reach 0.82-0.88 for seeds 1-3; chance is 0.1.
+    assert 0.6 < _accuracy(out.out) <= 1.0
     assert "training" in out.err  # the tqdm progress bar
     files = sorted(p.name for p in out_dir.iterdir())
     assert files == ["ckpt-30.safetensors"]

@@ -445,7 +445,7 @@ def test_bad_constructor_arguments():
         ps.Optimizer([w], optax.adam(0.1))
     with pytest.raises(TypeError, match=r"wrap it in a list"):
         ps.Optimizer(optax.adam(0.1), w)
-    with pytest.raises(TypeError, match="position 1 is a int"):
+    with pytest.raises(TypeError, match=r"got a int \(3\) at \[1\]"):
         ps.Optimizer(optax.adam(0.1), [w, 3])
     with pytest.raises(ValueError, match="given twice"):
         ps.Optimizer(optax.adam(0.1), [w, w])

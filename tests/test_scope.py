@@ -280,13 +280,21 @@ def test_names_stay_unique_when_threads_create_variables(fresh_store):
 
 @pytest.mark.slow
 def test_many_variables_of_one_name_are_named_in_linear_time():
-    n = 15_000
-    start = time.perf_counter()
-    unnamed = [ps.Variable(0.0) for _ in range(n)]
-    named = [ps.Variable(0.0, name="w") for _ in range(n)]
-    elapsed = time.perf_counter() - start
-    assert unnamed[-1].name == f"Variable_{n - 1}" and named[-1].name == f"w_{n - 1}"
-    assert elapsed < 12.0, f"{2 * n} variables took {elapsed:.1f}s (quadratic naming?)"
+    # A ratio, not a wall-clock bound (the machine is shared): naming 4x as many variables of
+    # one name costs about 4x when naming is linear, 16x when it is quadratic.
+    def seconds(n: int) -> float:
+        best = float("inf")
+        for _ in range(2):
+            with ps.VariableStore():
+                start = time.perf_counter()
+                unnamed = [ps.Variable(0.0) for _ in range(n)]
+                named = [ps.Variable(0.0, name="w") for _ in range(n)]
+                best = min(best, time.perf_counter() - start)
+            assert unnamed[-1].name == f"Variable_{n - 1}" and named[-1].name == f"w_{n - 1}"
+        return best
+
+    small, large = seconds(1_500), seconds(6_000)
+    assert large / small < 9.0, f"4x the variables took {large / small:.1f}x as long (quadratic?)"
 
 
 def test_store_tracks_plain_variables_weakly(fresh_store):

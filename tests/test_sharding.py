@@ -699,6 +699,9 @@ def multi_device_results(tmp_path_factory):
         try:
             if not out.exists():
                 env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+                # this checkout's paramstore, not the one the environment has installed
+                root_dir = str(Path(__file__).resolve().parent.parent)
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [root_dir, env.get("PYTHONPATH")]))
                 proc = subprocess.run(
                     [sys.executable, __file__, str(out)],
                     env=env,

@@ -55,3 +55,21 @@ def test_fused_steps_run_in_one_call():
         assert losses.shape == (5,)
         assert int(opt.iterations.numpy()) == 5
         assert fused.trace_count == 1
+
+
+def test_stacked_and_unrolled_blocks_have_the_same_parameters_and_train():
+    ex = _example()
+    tokens = ex.load_corpus(0.05)
+    xs, ys = ex.batches(tokens, 4, 16, np.random.default_rng(0), 3)
+    counts = {}
+    for unrolled in (False, True):
+        with ps.VariableStore():
+            config = ex.Config(seq_len=16, d_model=16, heads=2, layers=3, unrolled=unrolled)
+            model, opt = ex.build(config)
+            assert isinstance(model.blocks, ps.nn.Repeat) != unrolled
+            counts[unrolled] = sum(v.size for v in model.trainable_variables)
+            losses = ex.train_steps(model, opt)[1](xs, ys)
+            assert np.isfinite(np.asarray(losses)).all()
+    assert counts[False] == counts[True]
+    assert ex._parser().parse_args(["--unrolled"]).unrolled
+    assert not ex._parser().parse_args([]).unrolled

@@ -1,24 +1,43 @@
 """``ps.nn``: Keras-style layers on ``ps.Module`` and ``ps.Variable``.
 
-Every layer builds its variables on its first call, from the input's last axis, eagerly or
-during the first trace of a ``ps.function`` (no ``in_features`` up front). Names,
-arguments and defaults follow Keras; see ``docs/api.md``.
+Every layer builds its variables on its first call, from the input's shape, eagerly or
+during the first trace of a ``ps.function`` (no ``in_features`` up front), or when
+``layer.build(input_shape)`` is called. Names, arguments, defaults and output shapes
+follow Keras 3; see ``docs/api.md`` and ``docs/layers.md``.
 """
 
-from paramstore.nn._base import Layer
+from paramstore.nn._base import ACTIVATIONS, Layer
 from paramstore.nn.attention import MultiHeadAttention
-from paramstore.nn.conv import Conv2D
+from paramstore.nn.conv import Conv1D, Conv2D
 from paramstore.nn.core import Dense, Dropout, Embedding, Sequential
 from paramstore.nn.normalization import BatchNormalization, LayerNormalization
+from paramstore.nn.pooling import (
+    AveragePooling2D,
+    GlobalAveragePooling2D,
+    GlobalMaxPooling2D,
+    MaxPooling2D,
+)
+from paramstore.nn.repeat import Repeat
+from paramstore.nn.reshaping import Activation, Flatten, Reshape
 
 __all__ = [
+    "ACTIVATIONS",
+    "Activation",
+    "AveragePooling2D",
     "BatchNormalization",
+    "Conv1D",
     "Conv2D",
     "Dense",
     "Dropout",
     "Embedding",
+    "Flatten",
+    "GlobalAveragePooling2D",
+    "GlobalMaxPooling2D",
     "Layer",
     "LayerNormalization",
+    "MaxPooling2D",
     "MultiHeadAttention",
+    "Repeat",
+    "Reshape",
     "Sequential",
 ]

@@ -1,56 +1,113 @@
-"""The base of every ``ps.nn`` layer: build on the first call, check the input after.
+"""The base of every ``ps.nn`` layer: check the input, build once, then call.
 
-Contract:
+Contract (docs/api.md, "Layers"):
 
-* A layer is a ``ps.Module``. Its variables do not exist until its first call: then
-  ``build(shape)`` creates them from the input's shape (eagerly, or during the first trace
-  of a ``ps.function``), inside the layer's name scope, so they are named
-  ``"<layer>/<variable>"`` (``"dense/kernel"``).
-* Every input is checked before anything is built or computed: a bad input raises a
-  ``ValueError``/``TypeError`` naming the layer and the shapes, and builds or changes nothing.
-* ``_repr_html_`` renders ``ps.summary``'s table in Jupyter.
+* A layer is a ``ps.Module``. Its variables do not exist until it is built: by its first
+  call (eagerly, or during the first trace of a ``ps.function``) or by
+  ``layer.build(input_shape)`` (a tuple whose first entry may be ``None``), which creates
+  exactly what the first call would: the same names (``"<layer>/<variable>"``, inside the
+  layer's name scope), shapes and scope, and sets ``layer.built``.
+* A build happens once even when several threads make the first call together: one thread
+  builds under the layer's lock, the others wait and then use the built variables.
+* Every input is checked before anything is built or computed (``check_shape``): a bad
+  input raises a ``ValueError``/``TypeError`` naming the layer, the shapes and the fix, and
+  builds or changes nothing. A built layer given a shape it was not built for (its feature
+  axis differs), by a call or by ``build``, raises the same way.
+* Reading a variable attribute (``layer.kernel``) before the layer is built raises an
+  ``AttributeError`` saying to call the layer or ``build`` it.
+* Subclasses override ``build(input_shape)`` (create the variables; the base wraps it with
+  the scope, the lock and ``built``), ``check_shape(shape)`` and ``__call__``; they list
+  their variable attributes in ``variable_names``.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import threading
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore._summary import summary, summary_html
+from paramstore._summary import summary
 from paramstore.module import Module
 
-__all__ = ["Layer", "resolve_activation", "initializer", "as_float"]
+__all__ = [
+    "ACTIVATIONS",
+    "Layer",
+    "Shape",
+    "as_float",
+    "features",
+    "initializer",
+    "keras_name",
+    "resolve_activation",
+]
 
 Activation = Callable[[jax.Array], jax.Array]
+Shape = tuple[int | None, ...]
 
-_ACTIVATIONS: dict[str, Activation] = {
+
+def _shrink(threshold: float, soft: bool) -> Activation:
+    def fn(x: jax.Array) -> jax.Array:
+        if soft:
+            return jnp.where(
+                x > threshold, x - threshold, jnp.where(x < -threshold, x + threshold, 0)
+            )
+        return jnp.where(jnp.abs(x) > threshold, x, 0).astype(x.dtype)
+
+    return fn
+
+
+# Keras 3's ``keras.activations`` by name, with Keras' defaults (checked against Keras in
+# tests/test_nn_layers.py): "gelu" is the exact erf form, "leaky_relu" has slope 0.2.
+# Not here: "threshold" (needs arguments) and "sparsemax": pass a callable.
+ACTIVATIONS: dict[str, Activation] = {
     "linear": lambda x: x,
     "relu": jax.nn.relu,
-    "gelu": jax.nn.gelu,
+    "relu6": jax.nn.relu6,
+    "leaky_relu": functools.partial(jax.nn.leaky_relu, negative_slope=0.2),
+    "elu": jax.nn.elu,
+    "celu": jax.nn.celu,
+    "selu": jax.nn.selu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "glu": jax.nn.glu,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
-    "elu": jax.nn.elu,
-    "selu": jax.nn.selu,
+    "hard_silu": jax.nn.hard_silu,
+    "hard_swish": jax.nn.hard_silu,
+    "hard_sigmoid": jax.nn.hard_sigmoid,
+    "hard_tanh": jax.nn.hard_tanh,
+    "hard_shrink": _shrink(0.5, soft=False),
+    "soft_shrink": _shrink(0.5, soft=True),
+    "tanh_shrink": lambda x: x - jnp.tanh(x),
+    "mish": jax.nn.mish,
     "tanh": jnp.tanh,
     "sigmoid": jax.nn.sigmoid,
+    "log_sigmoid": jax.nn.log_sigmoid,
+    "sparse_sigmoid": jax.nn.sparse_sigmoid,
     "softmax": jax.nn.softmax,
+    "log_softmax": jax.nn.log_softmax,
     "softplus": jax.nn.softplus,
-    "leaky_relu": jax.nn.leaky_relu,
+    "sparse_plus": jax.nn.sparse_plus,
+    "squareplus": functools.partial(jax.nn.squareplus, b=4),
+    "softsign": jax.nn.soft_sign,
+    "exponential": jnp.exp,
 }
+"""Keras 3's activation names (``keras.activations``) with Keras' defaults, as callables."""
 
 
 def resolve_activation(fn: str | Activation | None, layer: str) -> Activation | None:
     """``fn`` as a callable: None, a callable, or a Keras name (``"relu"``)."""
     if fn is None or callable(fn):
         return fn
-    if isinstance(fn, str) and fn in _ACTIVATIONS:
-        return _ACTIVATIONS[fn]
+    if isinstance(fn, str) and fn in ACTIVATIONS:
+        return ACTIVATIONS[fn]
     raise ValueError(
-        f"{layer}: unknown activation {fn!r}; pass a callable or one of {sorted(_ACTIVATIONS)}."
+        f"{layer}: unknown activation {fn!r}; pass a callable or one of {sorted(ACTIVATIONS)}."
     )
 
 
@@ -71,58 +128,166 @@ def initializer(init: Any, default: _init.Initializer, layer: str, what: str) ->
     return init
 
 
-def as_float(x: Any) -> jax.Array:
-    """``x`` as an array; integers and bools become float32 (as Keras casts inputs)."""
+def as_float(x: Any, layer: Layer | str = "this layer") -> jax.Array:
+    """``x`` as an array; integers and bools become float32 (as Keras casts inputs). A complex
+    input is refused (a layer's real weights would silently drop its imaginary part)."""
     x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        who = layer.describe() if isinstance(layer, Layer) else layer
+        raise TypeError(
+            f"{who} takes real inputs, got a {x.dtype} input of shape {tuple(x.shape)}. "
+            "Split it first (jnp.real(x), jnp.imag(x), or jnp.concatenate of both on the "
+            "last axis)."
+        )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         x = x.astype(jnp.float32)
     return x
 
 
-class Layer(Module):
-    """A module that builds its variables on its first call (see the module docstring).
+_LOCKS: weakref.WeakKeyDictionary[Layer, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
 
-    Subclasses implement ``check(shape)`` (raise on a bad input, before building),
-    ``build(shape)`` (create the variables) and ``call(...)``; ``__call__`` runs them.
-    """
+
+def _lock_of(layer: Layer) -> threading.RLock:
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(layer)
+        if lock is None:
+            lock = _LOCKS[layer] = threading.RLock()
+        return lock
+
+
+def _as_shape(shape: Any, who: str) -> Shape:
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = ()
+        ok = False
+    else:
+        ok = all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in dims
+        )
+    if not ok:
+        raise TypeError(
+            f"{who}.build expects an input shape: a tuple of ints whose first entry may be "
+            f"None, such as (None, 28, 28, 1); got {shape!r}."
+        )
+    return dims
+
+
+def _guarded(build: Callable[..., None]) -> Callable[..., None]:
+    """``build`` run once, under the layer's lock and in its name scope; sets ``built``."""
+
+    @functools.wraps(build)
+    def wrapped(self: Layer, *shapes: Any) -> None:
+        dims = tuple(_as_shape(s, self.describe()) if s is not None else None for s in shapes)
+        if not self.__dict__.get("built", False):
+            with _lock_of(self):
+                if not self.built:
+                    self.check_shape(*dims)
+                    with self.name_scope:
+                        build(self, *dims)
+                    self._built_shapes = dims
+                    self.built = True  # last: other threads read the variables after this
+                    return
+        self.check_shape(*dims)
+        self.check_built(*dims)
+
+    wrapped._ps_guarded = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def features(layer: Layer, shape: Shape) -> int:
+    """The feature (last) axis of ``shape``, which must be known to build."""
+    if not shape or shape[-1] is None:
+        raise ValueError(
+            f"{layer.describe()} cannot be built for input shape {shape}: its last axis (the "
+            "features) must be known. Pass a shape such as (None, 16)."
+        )
+    return shape[-1]
+
+
+def keras_name(cls_name: str) -> str:
+    """Keras' default layer name: ``"MaxPooling2D"`` -> ``"max_pooling2d"``, ``"Conv1D"`` ->
+    ``"conv1d"`` (the plain snake_case would give ``"max_pooling2_d"``)."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", cls_name)
+    name = re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
+    return re.sub(r"(\d)_d\b", r"\1d", name)
+
+
+class Layer(Module):
+    """A module that builds its variables once, from its first input's shape (see the
+    module docstring)."""
 
     built: bool
+    variable_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        build = cls.__dict__.get("build")
+        if build is not None and not getattr(build, "_ps_guarded", False):
+            cls.build = _guarded(build)  # type: ignore[method-assign]
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__(name=name)
         self.built = False
-        self._in_features: int | None = None
+        self._built_shapes: tuple[Shape | None, ...] = ()
 
-    def _ensure_built(self, shape: tuple[int, ...]) -> None:
-        """Check the input shape against the built one, or build from it."""
-        if self.built:
-            if self._in_features is not None and (not shape or shape[-1] != self._in_features):
-                raise ValueError(
-                    f"{self.describe()} was built for inputs whose last axis is "
-                    f"{self._in_features}, but got an input of shape {shape} (last axis "
-                    f"{shape[-1] if shape else 'none'}). Pass inputs with "
-                    f"{self._in_features} features, or use a new layer."
-                )
-            return
-        if not shape:
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when ``name`` is not set: a variable of a layer not built yet.
+        if name in type(self).variable_names and not self.__dict__.get("built", False):
+            raise AttributeError(
+                f"{self.describe()} is not built yet, so it has no {name!r}: call the layer "
+                f"on an input (layer(x)) or build it (layer.build(input_shape)) first."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def build(self, input_shape: Shape) -> None:  # wrapped below
+        """Create the variables for inputs of ``input_shape`` (as the first call would)."""
+
+    def compute_output_shape(self, input_shape: Shape) -> Shape | None:
+        """The output shape for inputs of ``input_shape`` when known without running the
+        layer (None: ``Sequential.build`` finds it with ``jax.eval_shape``)."""
+        return None
+
+    def check_shape(self, *shapes: Shape | None) -> None:
+        """Raise if an input of ``shape`` is wrong for this layer (before any build)."""
+        shape = shapes[0] if shapes else None
+        if shape is not None and len(shape) == 0:
             raise ValueError(
                 f"{self.describe()} needs an input with at least one axis, got a scalar."
             )
-        with self.name_scope:
-            self.build(shape)
-        self._in_features = shape[-1]
-        self.built = True
 
-    def build(self, shape: tuple[int, ...]) -> None:
-        """Create the variables for an input of ``shape`` (called once, in the name scope)."""
+    def check_built(self, *shapes: Shape | None) -> None:
+        """Raise if a built layer cannot take ``shapes`` (by default: its feature axis)."""
+        if not self._built_shapes or not shapes:
+            return
+        old, new = self._built_shapes[0], shapes[0]
+        if old is None or new is None or not old or not new:
+            return
+        if old[-1] is not None and new[-1] is not None and old[-1] != new[-1]:
+            raise ValueError(
+                f"{self.describe()} was built for inputs whose last axis is {old[-1]}, but "
+                f"got an input of shape {new} (last axis {new[-1]}; built from {old}). Pass "
+                f"inputs with {old[-1]} features, or use a new layer."
+            )
+
+    def ensure_built(self, *shapes: Shape) -> None:
+        """Check the input shapes, then build from them or check them against the build."""
+        if self.__dict__.get("built", False):
+            self.check_shape(*shapes)
+            self.check_built(*shapes)
+        else:
+            self.build(*shapes)
+
+    _ensure_built = ensure_built  # the name used before build() was public
 
     def describe(self) -> str:
         """``"Dense 'dense_1'"``: how error messages name this layer."""
         return f"{type(self).__name__} '{self.scope_name}'"
 
-    def _repr_html_(self) -> str:
-        return summary_html(self)
-
     def summary(self) -> str:
         """``ps.summary(self)``."""
         return summary(self)
+
+
+Layer.build = _guarded(Layer.build)  # type: ignore[method-assign]

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore import scope as _scope
-from paramstore.nn._base import Layer, as_float, initializer
+from paramstore._layout import Partition
+from paramstore.nn._base import Layer, Shape, as_float, initializer
 from paramstore.variable import Variable
 
 __all__ = ["MultiHeadAttention"]
@@ -32,6 +33,9 @@ class MultiHeadAttention(Layer):
     ``(heads, key_dim)``, likewise ``key/*`` and ``value/*`` (``value_dim``, default
     ``key_dim``), ``attention_output/kernel`` ``(heads, value_dim, dq)`` and
     ``attention_output/bias`` ``(dq,)``; glorot_uniform kernels, zero biases.
+    ``kernel_partition``/``bias_partition`` are the ``partition=`` of the query, key and
+    value kernels (rank 3) and biases (rank 2); ``output_kernel_partition`` and
+    ``output_bias_partition`` those of ``attention_output``.
     """
 
     def __init__(
@@ -42,8 +46,17 @@ class MultiHeadAttention(Layer):
         use_bias: bool = True,
         kernel_initializer: Any = None,
         name: str | None = None,
+        *,
+        kernel_partition: Partition | None = None,
+        bias_partition: Partition | None = None,
+        output_kernel_partition: Partition | None = None,
+        output_bias_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partitions = {
+            "": (kernel_partition, bias_partition),
+            "attention_output": (output_kernel_partition, output_bias_partition),
+        }
         for what, n in (("num_heads", num_heads), ("key_dim", key_dim), ("value_dim", value_dim)):
             if n is None and what == "value_dim":
                 continue
@@ -60,20 +73,49 @@ class MultiHeadAttention(Layer):
 
     def _dense(self, scope: str, shape: tuple[int, ...], bias: tuple[int, ...]) -> None:
         k_init = self._kernel_init
+        k_part, b_part = self._partitions.get(scope, self._partitions[""])
         with _scope.name_scope(scope):
-            self.weights[f"{scope}/kernel"] = Variable(lambda: k_init(shape), name="kernel")
+            self.weights[f"{scope}/kernel"] = Variable(
+                lambda: k_init(shape), name="kernel", partition=k_part
+            )
             if self.use_bias:
-                self.weights[f"{scope}/bias"] = Variable(lambda: _init.zeros()(bias), name="bias")
+                self.weights[f"{scope}/bias"] = Variable(
+                    lambda: _init.zeros()(bias), name="bias", partition=b_part
+                )
 
-    def _build(self, dq: int, dk: int, dv: int) -> None:
+    def build(
+        self, query_shape: Shape, value_shape: Shape | None = None, key_shape: Shape | None = None
+    ) -> None:
+        """Create the variables for ``query``/``value``/``key`` shapes (as Keras' ``build``;
+        ``value_shape`` defaults to ``query_shape``, ``key_shape`` to ``value_shape``)."""
+        value_shape = query_shape if value_shape is None else value_shape
+        key_shape = value_shape if key_shape is None else key_shape
+        dq, dk, dv = (s[-1] if s else None for s in (query_shape, key_shape, value_shape))
+        if dq is None or dk is None or dv is None:
+            raise ValueError(
+                f"{self.describe()} cannot be built without the feature (last) axes of query, "
+                f"key and value; got shapes {query_shape}, {key_shape}, {value_shape}."
+            )
         h, kd, vd = self.num_heads, self.key_dim, self.value_dim
-        with self.name_scope:
-            self._dense("query", (dq, h, kd), (h, kd))
-            self._dense("key", (dk, h, kd), (h, kd))
-            self._dense("value", (dv, h, vd), (h, vd))
-            self._dense("attention_output", (h, vd, dq), (dq,))
+        self._dense("query", (dq, h, kd), (h, kd))
+        self._dense("key", (dk, h, kd), (h, kd))
+        self._dense("value", (dv, h, vd), (h, vd))
+        self._dense("attention_output", (h, vd, dq), (dq,))
         self._dims = (dq, dk, dv)
-        self.built = True
+
+    def check_shape(self, *shapes: Shape | None) -> None:
+        """Shapes are checked with the arrays, in ``_check``."""
+
+    def check_built(self, *shapes: Shape | None) -> None:
+        q = shapes[0]
+        v = shapes[1] if len(shapes) > 1 and shapes[1] is not None else q
+        k = shapes[2] if len(shapes) > 2 and shapes[2] is not None else v
+        got = tuple(s[-1] if s else None for s in (q, k, v))
+        if self._dims is not None and got != self._dims:
+            raise ValueError(
+                f"{self.describe()} was built for query, key and value feature sizes "
+                f"{self._dims}, got {got} (shapes query {q}, key {k}, value {v})."
+            )
 
     def _check(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any) -> None:
         """Every shape check, before anything is built."""
@@ -121,12 +163,11 @@ class MultiHeadAttention(Layer):
         mask: Any = None,
         use_causal_mask: bool = False,
     ) -> jax.Array:
-        q_in = as_float(query)
-        v_in = q_in if value is query else as_float(value)
-        k_in = v_in if key is None else as_float(key)
+        q_in = as_float(query, self)
+        v_in = q_in if value is query else as_float(value, self)
+        k_in = v_in if key is None else as_float(key, self)
         self._check(q_in, k_in, v_in, mask)
-        if not self.built:
-            self._build(q_in.shape[-1], k_in.shape[-1], v_in.shape[-1])
+        self.ensure_built(tuple(q_in.shape), tuple(v_in.shape), tuple(k_in.shape))
         w = {name: var.value() for name, var in self.weights.items()}
 
         def project(x: jax.Array, name: str) -> jax.Array:

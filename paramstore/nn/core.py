@@ -10,9 +10,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from paramstore import functional as _functional
 from paramstore import initializers as _init
 from paramstore import random as _random
-from paramstore.nn._base import Activation, Layer, as_float, initializer, resolve_activation
+from paramstore._jax import Tracer
+from paramstore._layout import Partition
+from paramstore.nn._base import (
+    Activation,
+    Layer,
+    Shape,
+    as_float,
+    features,
+    initializer,
+    resolve_activation,
+)
 from paramstore.variable import Variable
 
 __all__ = ["Dense", "Embedding", "Dropout", "Sequential"]
@@ -23,8 +34,14 @@ class Dense(Layer):
 
     ``kernel`` has shape ``(in, units)`` (``in`` is the last axis of the first input),
     ``bias`` ``(units,)``; defaults glorot_uniform and zeros. ``activation`` is a callable
-    or a Keras name (``"relu"``). Integer inputs are cast to float32.
+    or a Keras name (``"relu"``). Integer inputs are cast to float32; complex ones refused.
+    ``kernel_partition`` and ``bias_partition`` are the variables' ``partition=`` (logical
+    axis names, e.g. ``("embed", "mlp")``; see ``ps.sharding.axis_rules``).
     """
+
+    variable_names = ("kernel", "bias")
+    kernel: Variable
+    bias: Variable | None
 
     def __init__(
         self,
@@ -34,8 +51,12 @@ class Dense(Layer):
         kernel_initializer: Any = None,
         bias_initializer: Any = None,
         name: str | None = None,
+        *,
+        kernel_partition: Partition | None = None,
+        bias_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partitions = (kernel_partition, bias_partition)
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"Dense: units must be a positive int, got {units!r}.")
         self.units = units
@@ -45,19 +66,23 @@ class Dense(Layer):
             kernel_initializer, _init.glorot_uniform(), "Dense", "kernel_initializer"
         )
         self._bias_init = initializer(bias_initializer, _init.zeros(), "Dense", "bias_initializer")
-        self.kernel: Variable | None = None
-        self.bias: Variable | None = None
 
-    def build(self, shape: tuple[int, ...]) -> None:
+    def build(self, input_shape: Shape) -> None:
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
-        self.kernel = Variable(lambda: k_init((shape[-1], units)), name="kernel")
-        if self.use_bias:
-            self.bias = Variable(lambda: b_init((units,)), name="bias")
+        n_in, (k_part, b_part) = features(self, input_shape), self._partitions
+        self.kernel = Variable(lambda: k_init((n_in, units)), name="kernel", partition=k_part)
+        self.bias = (
+            Variable(lambda: b_init((units,)), name="bias", partition=b_part)
+            if self.use_bias
+            else None
+        )
+
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        return (*input_shape[:-1], self.units)
 
     def __call__(self, x: Any) -> jax.Array:
-        x = as_float(x)
-        self._ensure_built(tuple(x.shape))
-        assert self.kernel is not None
+        x = as_float(x, self)
+        self.ensure_built(tuple(x.shape))
         y = jnp.matmul(x, self.kernel.value())
         if self.bias is not None:
             y = y + self.bias.value()
@@ -67,7 +92,12 @@ class Dense(Layer):
 class Embedding(Layer):
     """A lookup table ``embeddings`` ``(input_dim, output_dim)``, as ``keras.layers.Embedding``
     (initialized uniformly in [-0.05, 0.05]). Inputs must be integer indices; the output has
-    shape ``x.shape + (output_dim,)``."""
+    shape ``x.shape + (output_dim,)``. An id outside ``[0, input_dim)`` raises eagerly; in a
+    trace (where ids are not known) it gives a row of NaN. ``embeddings_partition`` is the
+    table's ``partition=`` (e.g. ``("vocab", "embed")``)."""
+
+    variable_names = ("embeddings",)
+    embeddings: Variable
 
     def __init__(
         self,
@@ -75,8 +105,11 @@ class Embedding(Layer):
         output_dim: int,
         embeddings_initializer: Any = None,
         name: str | None = None,
+        *,
+        embeddings_partition: Partition | None = None,
     ) -> None:
         super().__init__(name=name)
+        self._partition = embeddings_partition
         for what, n in (("input_dim", input_dim), ("output_dim", output_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"Embedding: {what} must be a positive int, got {n!r}.")
@@ -87,7 +120,18 @@ class Embedding(Layer):
             "Embedding",
             "embeddings_initializer",
         )
-        self.embeddings: Variable | None = None
+
+    def build(self, input_shape: Shape) -> None:
+        init, shape = self._init, (self.input_dim, self.output_dim)
+        self.embeddings = Variable(
+            lambda: init(shape), name="embeddings", partition=self._partition
+        )
+
+    def check_shape(self, *shapes: Shape | None) -> None:
+        """Any shape of ids is fine (a scalar id too)."""
+
+    def check_built(self, *shapes: Shape | None) -> None:
+        """The table does not depend on the ids' shape."""
 
     def __call__(self, ids: Any) -> jax.Array:
         ids = jnp.asarray(ids)
@@ -97,13 +141,20 @@ class Embedding(Layer):
                 f"{ids.dtype} and shape {tuple(ids.shape)}. Cast token ids to int32 "
                 "(x.astype(jnp.int32)) before the lookup."
             )
-        if not self.built:
-            init, shape = self._init, (self.input_dim, self.output_dim)
-            with self.name_scope:
-                self.embeddings = Variable(lambda: init(shape), name="embeddings")
-            self.built = True
-        assert self.embeddings is not None
-        return jnp.take(self.embeddings.value(), ids, axis=0)
+        if not isinstance(ids, Tracer) and ids.size:
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.input_dim:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"{self.describe()} has {self.input_dim} rows (ids 0 to "
+                    f"{self.input_dim - 1}), got id {bad}. Map ids into that range (a "
+                    "vocabulary lookup, or a larger input_dim); negative ids do not wrap."
+                )
+        self.ensure_built(tuple(ids.shape))
+        # Traced ids cannot be checked: an id outside [0, input_dim) gives a row of NaN
+        # (never a wrapped or clipped row), as documented in docs/layers.md.
+        safe = jnp.where((ids < 0) | (ids >= self.input_dim), self.input_dim, ids)
+        return jnp.take(self.embeddings.value(), safe, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class Dropout(Layer):
@@ -152,15 +203,18 @@ def _takes_training(layer: Callable[..., Any]) -> bool:
 
 class Sequential(Layer):
     """Calls ``layers`` in order; ``training=`` is passed to the layers whose call takes it
-    (Dropout, BatchNormalization, nested Sequentials). Any callable can be a layer
-    (``jax.nn.relu`` too)."""
+    (Dropout, BatchNormalization, nested Sequentials), and travels down to the layers inside
+    them. Any callable can be a layer (``jax.nn.relu`` too).
+
+    ``build(input_shape)`` builds every layer in turn from the shape the previous ones
+    produce (found with ``jax.eval_shape``, after the layer is built); the first call does
+    the same with real inputs."""
 
     def __init__(self, layers: Iterable[Any] = (), name: str | None = None) -> None:
         super().__init__(name=name)
         self.layers: list[Any] = []
         for layer in layers:
             self.add(layer)
-        self.built = True
 
     def add(self, layer: Any) -> None:
         """Append a layer (any callable)."""
@@ -170,6 +224,17 @@ class Sequential(Layer):
                 f"{type(layer).__name__}, which is not callable."
             )
         self.layers.append(layer)
+        self.built = False  # a new layer is built by the next call or build()
+
+    def build(self, input_shape: Shape) -> None:
+        shape: Shape = input_shape
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, Layer):
+                layer.build(shape)
+            shape = _output_shape(self, i, layer, shape)
+
+    def check_built(self, *shapes: Shape | None) -> None:
+        """Each layer checks its own input."""
 
     def __call__(self, x: Any, training: bool | None = None) -> Any:
         for layer in self.layers:
@@ -177,4 +242,38 @@ class Sequential(Layer):
                 x = layer(x, training=training)
             else:
                 x = layer(x)
+        self.built = True
         return x
+
+
+def _output_shape(seq: Sequential, i: int, layer: Any, shape: Shape) -> Shape:
+    """The output shape of ``layer`` (built) for inputs of ``shape`` (None: any size)."""
+    if isinstance(layer, Layer):
+        known = layer.compute_output_shape(shape)
+        if known is not None:
+            return known
+    if any(d is None for d in shape[1:]):
+        raise ValueError(
+            f"Sequential '{seq.scope_name}'.build needs every axis but the first known, got "
+            f"{shape}. Pass a shape such as (None, 28, 28, 1)."
+        )
+    batch = shape[0] if shape and shape[0] is not None else 1
+    spec = jax.ShapeDtypeStruct((batch, *shape[1:]), jnp.float32)
+    variables = list(getattr(layer, "variables", ()))
+    try:
+        if variables:  # read the variables as inputs, not as baked constants
+            fn = _functional.pure(layer, variables)
+            # Shapes only, never values: abstract variables (ps.abstract) build too.
+            values = {v.name: jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables}
+            out, _ = jax.eval_shape(fn, values, spec)
+        else:
+            out = jax.eval_shape(layer, spec)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"Sequential '{seq.scope_name}'.build: layer {i} ({type(layer).__name__}) "
+            f"cannot take inputs of shape {shape}: {e}"
+        ) from e
+    dims: tuple[int | None, ...] = tuple(out.shape)
+    if shape and shape[0] is None and dims:
+        dims = (None, *dims[1:])
+    return dims

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore.nn._base import Layer, as_float
+from paramstore._layout import Partition
+from paramstore.nn._base import Layer, Shape, as_float, features
 from paramstore.variable import Variable
 
 __all__ = ["LayerNormalization", "BatchNormalization"]
@@ -23,23 +24,36 @@ def _check_epsilon(epsilon: Any, layer: str) -> float:
 class LayerNormalization(Layer):
     """``(x - mean) / sqrt(var + epsilon) * gamma + beta`` with the mean and (biased)
     variance of each example's last axis, as ``keras.layers.LayerNormalization``;
-    ``gamma`` (ones) and ``beta`` (zeros) have shape ``(features,)``."""
+    ``gamma`` (ones) and ``beta`` (zeros) have shape ``(features,)``; ``gamma_partition`` and
+    ``beta_partition`` are their ``partition=``."""
 
-    def __init__(self, epsilon: float = 1e-3, name: str | None = None) -> None:
+    variable_names = ("gamma", "beta")
+    gamma: Variable
+    beta: Variable
+
+    def __init__(
+        self,
+        epsilon: float = 1e-3,
+        name: str | None = None,
+        *,
+        gamma_partition: Partition | None = None,
+        beta_partition: Partition | None = None,
+    ) -> None:
         super().__init__(name=name)
+        self._partitions = (gamma_partition, beta_partition)
         self.epsilon = _check_epsilon(epsilon, "LayerNormalization")
-        self.gamma: Variable | None = None
-        self.beta: Variable | None = None
 
-    def build(self, shape: tuple[int, ...]) -> None:
-        n = shape[-1]
-        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma")
-        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta")
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        return input_shape
+
+    def build(self, input_shape: Shape) -> None:
+        n, (g_part, b_part) = features(self, input_shape), self._partitions
+        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma", partition=g_part)
+        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta", partition=b_part)
 
     def __call__(self, x: Any) -> jax.Array:
-        x = as_float(x)
-        self._ensure_built(tuple(x.shape))
-        assert self.gamma is not None and self.beta is not None
+        x = as_float(x, self)
+        self.ensure_built(tuple(x.shape))
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
         y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
@@ -57,6 +71,12 @@ class BatchNormalization(Layer):
     (zeros) are trainable.
     """
 
+    variable_names = ("gamma", "beta", "moving_mean", "moving_variance")
+    gamma: Variable
+    beta: Variable
+    moving_mean: Variable
+    moving_variance: Variable
+
     def __init__(
         self, momentum: float = 0.99, epsilon: float = 1e-3, name: str | None = None
     ) -> None:
@@ -67,13 +87,12 @@ class BatchNormalization(Layer):
             raise ValueError(f"BatchNormalization: momentum must be in [0, 1], got {momentum!r}.")
         self.momentum = float(momentum)
         self.epsilon = _check_epsilon(epsilon, "BatchNormalization")
-        self.gamma: Variable | None = None
-        self.beta: Variable | None = None
-        self.moving_mean: Variable | None = None
-        self.moving_variance: Variable | None = None
 
-    def build(self, shape: tuple[int, ...]) -> None:
-        n = shape[-1]
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        return input_shape
+
+    def build(self, input_shape: Shape) -> None:
+        n = features(self, input_shape)
         self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma")
         self.beta = Variable(lambda: _init.zeros()((n,)), name="beta")
         self.moving_mean = Variable(
@@ -84,15 +103,13 @@ class BatchNormalization(Layer):
         )
 
     def __call__(self, x: Any, training: bool = False) -> jax.Array:
-        x = as_float(x)
+        x = as_float(x, self)
         if training and x.ndim < 2:
             raise ValueError(
                 f"{self.describe()} in training mode needs a batch axis, got an input of "
                 f"shape {tuple(x.shape)}."
             )
-        self._ensure_built(tuple(x.shape))
-        assert self.gamma is not None and self.beta is not None
-        assert self.moving_mean is not None and self.moving_variance is not None
+        self.ensure_built(tuple(x.shape))
         if training:
             axes = tuple(range(x.ndim - 1))
             mean = jnp.mean(x, axis=axes)

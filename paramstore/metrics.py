@@ -1,0 +1,245 @@
+"""``ps.metrics``: Keras 3's stateful metrics, their state in non-trainable Variables.
+
+Contract (docs/api.md, "Metrics"):
+
+* ``Mean``, ``Sum``, ``Accuracy``, ``BinaryAccuracy(threshold=0.5)``, ``CategoricalAccuracy``,
+  ``SparseCategoricalAccuracy``, ``MeanSquaredError``, ``MeanAbsoluteError``, each a
+  ``ps.Module`` with ``name=`` (default: Keras' name, ``"sparse_categorical_accuracy"``).
+* ``m.update_state(y_true, y_pred, sample_weight=None)`` (``Mean``/``Sum``:
+  ``update_state(values, sample_weight=None)``) adds a batch; ``m.result()`` is a
+  ``jax.Array``; ``m.reset_state()`` zeroes the state; ``m.variables`` are the float32
+  ``total`` (and ``count``), non-trainable. They update eagerly, inside a ``ps.function``
+  and inside a ``lax.scan`` body run by one, and save in a ``ps.Checkpoint``.
+* The arithmetic is Keras 3's (``reduce_to_samplewise_values``, ``MeanMetricWrapper``):
+  per-element values are reduced to one per sample (mean over the axes the weight lacks),
+  weighted, summed into ``total``; ``count`` adds the summed weights (or the sample count).
+  ``result()`` of an empty metric is 0 (Keras' ``divide_no_nan``).
+* Bad input (checked from the static shapes, so also inside a trace): ``y_true`` and
+  ``y_pred`` whose shapes do not match (after Keras' squeeze or expand of a trailing 1), or a
+  ``sample_weight`` that does not broadcast against the samples, raise ``ValueError`` naming
+  the metric and the shapes; nothing is updated.
+
+Losses are optax's; docs/metrics.md has the Keras-to-optax names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from paramstore.module import Module
+from paramstore.variable import Variable
+
+__all__ = [
+    "Metric",
+    "Mean",
+    "Sum",
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "SparseCategoricalAccuracy",
+    "MeanSquaredError",
+    "MeanAbsoluteError",
+]
+
+Array = jax.Array
+
+
+def _zero(name: str) -> Variable:
+    return Variable(jnp.zeros((), jnp.float32), trainable=False, name=name)
+
+
+def _same_rank(a: Array, b: Array) -> tuple[Array, Array]:
+    """Keras' ``squeeze_or_expand_to_same_rank``: drop or add a trailing axis of 1."""
+    if a.ndim == b.ndim + 1 and a.shape[-1] == 1:
+        return (a, b[..., None]) if b.ndim == 1 else (a[..., 0], b)
+    if b.ndim == a.ndim + 1 and b.shape[-1] == 1:
+        return (a[..., None], b) if a.ndim == 1 else (a, b[..., 0])
+    return a, b
+
+
+class Metric(Module):
+    """The base: ``update_state``, ``result``, ``reset_state``; state in ``variables``."""
+
+    total: Variable
+
+    def describe(self) -> str:
+        return f"{type(self).__name__} '{self.scope_name}'"
+
+    def reset_state(self) -> None:
+        """Zero every state variable."""
+        for v in self.variables:
+            v.assign(jnp.zeros(v.shape, v.dtype), read_value=False)
+
+    def result(self) -> Array:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<ps.metrics.{type(self).__name__} '{self.scope_name}'>"
+
+    def _samplewise(
+        self, values: Any, sample_weight: Any, mean: bool
+    ) -> tuple[Array, Array | None]:
+        """Keras' ``reduce_to_samplewise_values`` with shape checks (see the docstring)."""
+        values = jnp.asarray(values, jnp.float32)
+        reduce = jnp.mean if mean else jnp.sum
+        weight = None
+        if sample_weight is not None:
+            weight = jnp.asarray(sample_weight, jnp.float32)
+            values, weight = _same_rank(values, weight)
+            n = weight.ndim
+            lead = values.shape[:n]
+            if n > values.ndim or any(w not in (1, v) for w, v in zip(weight.shape, lead)):
+                raise ValueError(
+                    f"{self.describe()}: sample_weight of shape {tuple(weight.shape)} does not "
+                    f"match values of shape {tuple(values.shape)}: it needs one weight per "
+                    f"sample (shape {tuple(values.shape[:1])}) or the values' leading axes. "
+                    "Nothing was updated."
+                )
+            if values.ndim > n:
+                values = reduce(values, axis=tuple(range(n, values.ndim)))
+            weight = jnp.broadcast_to(weight, values.shape)
+            values = values * weight
+            if n > 1:
+                weight = reduce(weight, axis=tuple(range(1, n)))
+        if values.ndim > 1:
+            values = reduce(values, axis=tuple(range(1, values.ndim)))
+        return values, weight
+
+
+class Sum(Metric):
+    """The (weighted) sum of the values, as ``keras.metrics.Sum``: variable ``total``."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.total = _zero("total")
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+        values, _ = self._samplewise(values, sample_weight, mean=False)
+        self.total.assign_add(jnp.sum(values), read_value=False)
+
+    def result(self) -> Array:
+        return self.total.value()
+
+
+class Mean(Metric):
+    """The (weighted) mean of the values, as ``keras.metrics.Mean``: ``total`` / ``count``."""
+
+    count: Variable
+
+    def __init__(self, name: str | None = None) -> None:
+        self.total = _zero("total")
+        self.count = _zero("count")
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+        self._add(values, sample_weight)
+
+    def _add(self, values: Any, sample_weight: Any) -> None:
+        values, weight = self._samplewise(values, sample_weight, mean=True)
+        if weight is not None:
+            n = jnp.sum(weight)
+        else:
+            n = jnp.asarray(values.shape[0] if values.ndim >= 1 else 1, jnp.float32)
+        self.total.assign_add(jnp.sum(values), read_value=False)
+        self.count.assign_add(n, read_value=False)
+
+    def result(self) -> Array:
+        total, count = self.total.value(), self.count.value()
+        return jnp.where(
+            count == 0, jnp.zeros((), total.dtype), total / jnp.where(count == 0, 1, count)
+        )
+
+
+class _MeanOf(Mean):
+    """Keras' ``MeanMetricWrapper``: the mean of ``fn(y_true, y_pred)`` per sample."""
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        self._add(self._values(jnp.asarray(y_true), jnp.asarray(y_pred)), sample_weight)
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        raise NotImplementedError
+
+    def _mismatch(self, y_true: Array, y_pred: Array, need: str) -> ValueError:
+        return ValueError(
+            f"{self.describe()}: y_true of shape {tuple(y_true.shape)} and y_pred of shape "
+            f"{tuple(y_pred.shape)} do not match ({need}). Nothing was updated."
+        )
+
+    def _paired(self, y_true: Array, y_pred: Array) -> tuple[Array, Array]:
+        a, b = _same_rank(y_true, y_pred)
+        if a.shape != b.shape:
+            raise self._mismatch(y_true, y_pred, "they need the same shape")
+        return a, b
+
+
+class Accuracy(_MeanOf):
+    """How often ``y_pred`` equals ``y_true`` exactly, as ``keras.metrics.Accuracy``."""
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
+        return (y_true == y_pred).astype(jnp.float32)
+
+
+class BinaryAccuracy(_MeanOf):
+    """How often ``y_pred > threshold`` equals the 0/1 ``y_true``, as
+    ``keras.metrics.BinaryAccuracy``."""
+
+    def __init__(self, name: str | None = None, threshold: float = 0.5) -> None:
+        super().__init__(name=name)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise TypeError(f"BinaryAccuracy: threshold must be a number, got {threshold!r}.")
+        self.threshold = float(threshold)
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        y_true, y_pred = self._paired(y_true, y_pred)
+        predicted = (y_pred > self.threshold).astype(y_true.dtype)
+        return (y_true == predicted).astype(jnp.float32)
+
+
+class CategoricalAccuracy(_MeanOf):
+    """How often ``argmax(y_pred)`` equals ``argmax(y_true)`` (one-hot labels), as
+    ``keras.metrics.CategoricalAccuracy``."""
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        if y_true.shape != y_pred.shape or y_pred.ndim < 1:
+            raise self._mismatch(y_true, y_pred, "one-hot y_true needs y_pred's shape")
+        return (jnp.argmax(y_true, -1) == jnp.argmax(y_pred, -1)).astype(jnp.float32)
+
+
+class SparseCategoricalAccuracy(_MeanOf):
+    """How often ``argmax(y_pred)`` equals the integer ``y_true``, as
+    ``keras.metrics.SparseCategoricalAccuracy`` (``y_true`` of shape ``y_pred.shape[:-1]``,
+    or with a trailing axis of 1)."""
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        labels = y_true
+        if y_true.ndim == y_pred.ndim and y_true.ndim >= 1 and y_true.shape[-1] == 1:
+            labels = y_true[..., 0]
+        if y_pred.ndim < 1 or labels.shape != y_pred.shape[:-1]:
+            raise self._mismatch(
+                y_true, y_pred, "y_true needs y_pred's shape without its last (class) axis"
+            )
+        predicted = jnp.argmax(y_pred, -1).astype(jnp.float32)
+        matches = (labels.astype(jnp.float32) == predicted).astype(jnp.float32)
+        return matches.reshape(y_true.shape)
+
+
+class MeanSquaredError(_MeanOf):
+    """``mean((y_true - y_pred) ** 2)`` over the last axis, then over samples, as
+    ``keras.metrics.MeanSquaredError``."""
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        y_pred = y_pred.astype(jnp.result_type(y_pred.dtype, jnp.float32))
+        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
+        return jnp.mean(jnp.square(y_true - y_pred), axis=-1)
+
+
+class MeanAbsoluteError(_MeanOf):
+    """``mean(|y_true - y_pred|)`` over the last axis, then over samples, as
+    ``keras.metrics.MeanAbsoluteError``."""
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        y_pred = y_pred.astype(jnp.result_type(y_pred.dtype, jnp.float32))
+        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
+        return jnp.mean(jnp.abs(y_true - y_pred), axis=-1)

@@ -1,0 +1,121 @@
+"""``MaxPooling2D``, ``AveragePooling2D``, ``GlobalAveragePooling2D``, ``GlobalMaxPooling2D``
+over NHWC inputs, with Keras 3's arguments, defaults and output shapes. No variables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paramstore.nn._base import Layer, Shape, as_float, keras_name
+from paramstore.nn.conv import check_windows, padding_of, window
+
+__all__ = [
+    "MaxPooling2D",
+    "AveragePooling2D",
+    "GlobalAveragePooling2D",
+    "GlobalMaxPooling2D",
+]
+
+
+class _Pooling2D(Layer):
+    def __init__(
+        self,
+        pool_size: int | tuple[int, int] = (2, 2),
+        strides: int | tuple[int, int] | None = None,
+        padding: str = "valid",
+        name: str | None = None,
+    ) -> None:
+        kind = type(self).__name__
+        super().__init__(name=name or keras_name(kind))
+        self.pool_size = window(pool_size, 2, "pool_size", kind)
+        self.strides = self.pool_size if strides is None else window(strides, 2, "strides", kind)
+        self.padding = padding_of(padding, kind)
+        self.built = True  # nothing to create
+
+    def check_shape(self, *shapes: Shape | None) -> None:
+        shape = shapes[0]
+        assert shape is not None
+        check_windows(self, shape, 2, self.pool_size, self.padding, "pool_size")
+
+    def check_built(self, *shapes: Shape | None) -> None:
+        """No variables: any channel count."""
+
+    def _reduce(self, x: jax.Array, init: Any, op: Any) -> jax.Array:
+        return jax.lax.reduce_window(
+            x,
+            init,
+            op,
+            (1, *self.pool_size, 1),
+            (1, *self.strides, 1),
+            self.padding.upper(),
+        )
+
+
+class MaxPooling2D(_Pooling2D):
+    """The maximum of each ``pool_size`` window, moved by ``strides`` (default
+    ``pool_size``), as ``keras.layers.MaxPooling2D``; ``"same"`` padding pads with -inf."""
+
+    def __call__(self, x: Any) -> jax.Array:
+        x = as_float(x, self)
+        self.ensure_built(tuple(x.shape))
+        return self._reduce(x, -jnp.inf, jax.lax.max)
+
+
+class AveragePooling2D(_Pooling2D):
+    """The mean of each ``pool_size`` window, as ``keras.layers.AveragePooling2D``; with
+    ``"same"`` padding the padded positions are left out of the mean (as Keras does)."""
+
+    def __call__(self, x: Any) -> jax.Array:
+        x = as_float(x, self)
+        self.ensure_built(tuple(x.shape))
+        zero = 0.0  # Python scalars select the differentiable reduce_window_{max,sum}
+        total = self._reduce(x, zero, jax.lax.add)
+        if self.padding == "valid":
+            return total / np.prod(self.pool_size)
+        ones = jnp.ones((1, *x.shape[1:3], 1), x.dtype)
+        count = self._reduce(ones, zero, jax.lax.add)
+        return total / count
+
+
+class _Global2D(Layer):
+    def __init__(self, keepdims: bool = False, name: str | None = None) -> None:
+        super().__init__(name=name or keras_name(type(self).__name__))
+        if not isinstance(keepdims, bool):
+            raise TypeError(f"{type(self).__name__}: keepdims must be a bool, got {keepdims!r}.")
+        self.keepdims = keepdims
+        self.built = True  # nothing to create
+
+    def check_shape(self, *shapes: Shape | None) -> None:
+        shape = shapes[0]
+        assert shape is not None
+        if len(shape) != 4:
+            raise ValueError(
+                f"{self.describe()} expects a 4-D input (batch, height, width, channels), got "
+                f"shape {shape} ({len(shape)}-D). Add a batch axis with x[None] or a channel "
+                "axis with x[..., None]."
+            )
+
+    def check_built(self, *shapes: Shape | None) -> None:
+        """No variables: any channel count."""
+
+
+class GlobalAveragePooling2D(_Global2D):
+    """The mean over height and width: ``(batch, h, w, c)`` to ``(batch, c)`` (``(batch, 1, 1,
+    c)`` with ``keepdims=True``), as ``keras.layers.GlobalAveragePooling2D``."""
+
+    def __call__(self, x: Any) -> jax.Array:
+        x = as_float(x, self)
+        self.ensure_built(tuple(x.shape))
+        return jnp.mean(x, axis=(1, 2), keepdims=self.keepdims)
+
+
+class GlobalMaxPooling2D(_Global2D):
+    """The maximum over height and width, as ``keras.layers.GlobalMaxPooling2D``."""
+
+    def __call__(self, x: Any) -> jax.Array:
+        x = as_float(x, self)
+        self.ensure_built(tuple(x.shape))
+        return jnp.max(x, axis=(1, 2), keepdims=self.keepdims)
