@@ -26,7 +26,7 @@ from paramstore._dtypes import (
 from paramstore._jax import Tracer, in_trace
 from paramstore._seed import naming
 
-__all__ = ["parse_initial", "fresh", "broadcasts", "flag"]
+__all__ = ["parse_initial", "fresh", "broadcasts", "flag", "utf8"]
 
 
 def fresh(given: Any, new: Any) -> bool:
@@ -64,7 +64,7 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
         return _cast(copied, want, full_name), True
     value = initial_value
     if want is not None and want == STRING:
-        return to_strings(np.asarray(value)), True
+        return to_strings(utf8(np.asarray(value), full_name)), True
     if isinstance(value, jax.Array):  # also tracers
         if is_key_dtype(value.dtype):
             if want is not None:
@@ -99,6 +99,23 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
     if arr.dtype == STRING or arr.dtype.kind == "O":
         return _strings(arr, full_name), True
     return strong(jnp.asarray(arr, dtype=want)), True
+
+
+def utf8(arr: np.ndarray, name: str) -> np.ndarray:
+    """``arr`` with its bytes decoded as UTF-8 (string variables hold text, which is what
+    they save and print); bytes that are not valid UTF-8 are a TypeError."""
+    kind = arr.dtype.kind
+    if kind != "S" and not (kind == "O" and any(isinstance(x, bytes) for x in arr.flat)):
+        return arr
+    try:
+        text = [x.decode("utf-8") if isinstance(x, bytes) else x for x in arr.flat]
+    except UnicodeDecodeError as e:
+        raise TypeError(
+            f"String variable '{name}' holds UTF-8 text, and these bytes are not valid utf-8 "
+            f"({e}). Decode them first (e.g. b.decode('latin-1')), or keep raw bytes in a "
+            "uint8 variable (np.frombuffer(b, np.uint8))."
+        ) from None
+    return np.array(text, dtype=object).reshape(arr.shape)
 
 
 def flag(value: Any, name: str, where: str) -> bool:
@@ -142,10 +159,10 @@ def _strings(arr: np.ndarray, full_name: str) -> np.ndarray:
             f"Cannot make variable '{full_name}' from an object array: only strings make "
             "host-side string variables."
         )
-    return to_strings(arr)
+    return to_strings(utf8(arr, full_name))
 
 
 def _cast(value: Any, want: Any, full_name: str) -> Any:
     if np.dtype(value.dtype).kind in "USOT":
-        return to_strings(np.asarray(value))
+        return to_strings(utf8(np.asarray(value), full_name))
     return strong(jnp.asarray(value, dtype=want))

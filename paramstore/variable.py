@@ -63,7 +63,7 @@ from paramstore._dtypes import (
     strong,
     to_strings,
 )
-from paramstore._initial import broadcasts, flag, fresh
+from paramstore._initial import broadcasts, flag, fresh, utf8
 from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, staging
 from paramstore._layout import check_partition
 from paramstore._ownership import ownership
@@ -409,7 +409,7 @@ class Variable(ArrayOps):
                     f"'{self._name}': a variable's dtype never changes; convert the values "
                     "to str explicitly."
                 )
-            return to_strings(arr)
+            return to_strings(utf8(arr, self._name))
         if self._is_key:
             if not (isinstance(value, jax.Array) and value.dtype == dst):
                 got = getattr(value, "dtype", type(value).__name__)

@@ -136,3 +136,14 @@ def test_reuse_variables_inside_a_variable_scope():
 def test_jax_functions_see_no_variable_inside_a_plain_trace():
     v = ps.Variable(jnp.ones(3))
     assert jax.jit(lambda x: x * 2)(v.value()).shape == (3,)
+
+
+def test_string_variables_hold_utf8_text_only(_fresh_store):
+    v = ps.Variable(np.array([b"alpha", b"caf\xc3\xa9"]), name="words")  # UTF-8 bytes: text
+    assert v.numpy().tolist() == ["alpha", "café"]
+    with pytest.raises(TypeError, match=r"String variable .* not valid utf-8"):
+        ps.Variable(np.array([b"ok", b"\xff\xfe"]), name="raw")
+    assert [x.name for x in _fresh_store.variables()] == ["words"]
+    with pytest.raises(TypeError, match=r"String variable .* not valid utf-8"):
+        v.assign(np.array([b"\xff", b"x"]))
+    assert v.numpy().tolist() == ["alpha", "café"]  # unchanged
