@@ -1,11 +1,13 @@
 """A data-parallel Adam step on 8 devices: ps.function against hand-written jax.jit.
 
 Run: ``python benchmarks/sharded.py`` (``--quick`` for a short run, ``--devices N``,
-``--rows dp parallel creation`` to pick row groups).
+``--rows dp parallel creation checkpoint`` to pick row groups).
 
 Row groups: ``dp`` (below), ``parallel`` (FSDP and tensor-parallel Adam steps against
-``jax.jit`` and Flax NNX, ``parallel_rows``) and ``creation`` (sharded creation of a
-8192x8192 weight against ``jax.jit(init, out_shardings=...)``, ``creation_rows``).
+``jax.jit`` and Flax NNX, ``parallel_rows``), ``creation`` (sharded creation of a
+8192x8192 weight against ``jax.jit(init, out_shardings=...)``, ``creation_rows``) and
+``checkpoint`` (a sharded checkpoint of ``--checkpoint-mib`` MiB against plain Orbax, async
+saves and steps during them, ``checkpoint_rows``).
 
 Both variants train the same MLP with ``optax.adam`` on a 1-D ``"data"`` mesh: parameters
 and optimizer state replicated (``P()``), the batch split over the devices (``P("data")``).
@@ -50,7 +52,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
-    parser.add_argument("--rows", nargs="*", default=["dp", "parallel", "creation"])
+    parser.add_argument(
+        "--checkpoint-mib", type=int, default=512, help="sharded checkpoint rows: total MiB"
+    )
+    parser.add_argument("--rows", nargs="*", default=["dp", "parallel", "creation", "checkpoint"])
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 10, 3
@@ -179,6 +184,8 @@ def main() -> None:
         parallel_rows(args)
     if "creation" in args.rows:
         creation_rows(args)
+    if "checkpoint" in args.rows:
+        checkpoint_rows(args)
 
 
 # ------------------------------------------------- FSDP and tensor parallel (issue 17)
@@ -539,6 +546,215 @@ def creation_rows(args: argparse.Namespace) -> None:
         "(targets: ps time <= 1.2x jax.jit, peak <= bound)"
     )
     sys.stdout.flush()
+
+
+# ------------------------------------------------------------------- checkpoint rows
+
+
+def checkpoint_rows(args: argparse.Namespace) -> None:
+    """Sharded checkpoint of ``mib`` MiB (float32 arrays of 64 MiB, row- and column-sharded
+    over the mesh): ``ps.Saver(sharded=True)`` save/restore against plain Orbax on the same
+    arrays (same shardings, same composite layout); an async ``CheckpointManager.save``
+    against a synchronous one; and FSDP Adam steps while an async save is being written
+    against steps without. Medians of ``--repeats // 2`` (at least 3), paramstore and Orbax
+    interleaved; the size is ``--checkpoint-mib``."""
+    import shutil
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import orbax.checkpoint as ocp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import paramstore as ps
+
+    mib, repeats = args.checkpoint_mib, max(3, args.repeats // 2)
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(AxisType.Auto,))
+    axis = mesh.axis_names[0]
+    count = max(1, mib // 64)
+    side = 4096 if mib >= 64 else max(64, int((mib * 2**18) ** 0.5) // 64 * 64)
+    rng = np.random.default_rng(0)
+    specs = [P(axis, None) if i % 2 == 0 else P(None, axis) for i in range(count)]
+    host = [rng.standard_normal((side, side), dtype=np.float32) for _ in range(count)]
+    arrays = [jax.device_put(h, NamedSharding(mesh, s)) for h, s in zip(host, specs)]
+    total = sum(a.nbytes for a in arrays) / 2**20
+    root = tempfile.mkdtemp(prefix="ps-sharded-bench-")
+    with ps.VariableStore():
+        variables = [ps.Variable(a, name=f"w{i}") for i, a in enumerate(arrays)]
+        saver = ps.Saver(variables, sharded=True)
+        tree = {f"v{i}": v.value() for i, v in enumerate(variables)}
+        targets = {
+            k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in tree.items()
+        }
+        restore_args = {
+            k: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
+            for k, a in tree.items()
+        }
+        zstd = ocp.Checkpointer(ocp.CompositeCheckpointHandler())  # Orbax's default
+        raw = ocp.Checkpointer(  # what paramstore writes: no zstd
+            ocp.CompositeCheckpointHandler(
+                arrays=ocp.PyTreeCheckpointHandler(use_compression=False)
+            )
+        )
+
+        def orbax_save(checkpointer: Any, name: str) -> Callable[[], None]:
+            def run() -> None:
+                args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(tree))
+                checkpointer.save(os.path.join(root, name), args, force=True)
+
+            return run
+
+        def orbax_restore(checkpointer: Any, name: str) -> Callable[[], None]:
+            def run() -> None:
+                args = ocp.args.Composite(
+                    arrays=ocp.args.PyTreeRestore(item=targets, restore_args=restore_args)
+                )
+                out = checkpointer.restore(os.path.join(root, name), args)["arrays"]
+                jax.block_until_ready(out)
+
+            return run
+
+        def ps_save() -> None:
+            saver.save(os.path.join(root, "ps"))
+
+        def ps_restore() -> None:
+            saver.restore(os.path.join(root, "ps"))
+            jax.block_until_ready([v.value() for v in variables])
+
+        saves = {
+            "Orbax (zstd, default)": orbax_save(zstd, "zstd"),
+            "Orbax, no zstd": orbax_save(raw, "raw"),
+            "paramstore": ps_save,
+        }
+        restores = {
+            "Orbax (zstd, default)": orbax_restore(zstd, "zstd"),
+            "Orbax, no zstd": orbax_restore(raw, "raw"),
+            "paramstore": ps_restore,
+        }
+        times: dict[tuple[str, str], list[float]] = {}
+        for r in range(repeats + 1):  # the first round compiles and warms the page cache
+            for op, fns in (("save", saves), ("restore", restores)):
+                order = list(fns) if r % 2 else list(reversed(fns))
+                for name in order:
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    fns[name]()
+                    if r:
+                        times.setdefault((op, name), []).append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(
+            f"\n## sharded checkpoint: {count} x {side}x{side} float32 ({total:.0f} MiB), "
+            f"mesh {dict(mesh.shape)}, median of {repeats}"
+        )
+        names = list(saves)
+        print(
+            f"{'op':8} "
+            + " ".join(f"{n + ' s':>22}" for n in names)
+            + "   ps / Orbax default, / no zstd"
+        )
+        for op in ("save", "restore"):
+            ps_s = med[(op, "paramstore")]
+            cells = " ".join(f"{med[(op, n)]:22.3f}" for n in names)
+            print(
+                f"{op:8} {cells}   {ps_s / med[(op, names[0])]:7.2f} {ps_s / med[(op, names[1])]:7.2f}"
+            )
+
+        # async save: time for save() to return, and FSDP steps while it is written
+        with ps.device(NamedSharding(mesh, P(axis))):
+            w1 = ps.Variable(
+                rng.standard_normal((1024, 1024), dtype=np.float32) * 0.03, name="fsdp1"
+            )
+            w2 = ps.Variable(
+                rng.standard_normal((1024, 1024), dtype=np.float32) * 0.03, name="fsdp2"
+            )
+        opt = ps.Optimizer(optax.adam(1e-3), [w1, w2])
+        x = jax.device_put(
+            rng.standard_normal((256, 1024), dtype=np.float32), NamedSharding(mesh, P(axis))
+        )
+
+        @ps.function
+        def step(x: jax.Array) -> jax.Array:
+            def loss() -> jax.Array:
+                return jnp.mean((jax.nn.relu(x @ w1) @ w2 - x) ** 2)
+
+            value, grads = ps.value_and_grad(loss, [w1, w2])()
+            opt.apply_gradients(grads)
+            return value
+
+        for _ in range(3):
+            step(x).block_until_ready()
+
+        def steps(n: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step(x).block_until_ready()
+            return (time.perf_counter() - t0) / n
+
+        sync_manager = ps.CheckpointManager(
+            os.path.join(root, "sync"), variables, max_to_keep=1, sharded=True
+        )
+        async_manager = ps.CheckpointManager(
+            os.path.join(root, "async"), variables, max_to_keep=1, sharded=True, async_save=True
+        )
+        rows: dict[str, list[float]] = {
+            k: [] for k in ("sync", "async", "alone", "during", "n", "orbax")
+        }
+        orbax_async = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()  # plain Orbax's own async save, for reference
+            orbax_async.save(
+                os.path.join(root, "orbax-async"),
+                ocp.args.Composite(arrays=ocp.args.PyTreeSave(tree)),
+                force=True,
+            )
+            orbax_s = time.perf_counter() - t0
+            orbax_async.wait_until_finished()
+            t0 = time.perf_counter()
+            sync_manager.save(r)
+            sync_s = time.perf_counter() - t0
+            alone = steps(10)
+            t0 = time.perf_counter()
+            async_manager.save(r)
+            async_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            n = 0
+            while n < 5 or not _finished(async_manager):
+                step(x).block_until_ready()
+                n += 1
+                if n >= 200:
+                    break
+            during = (time.perf_counter() - t0) / n
+            async_manager.wait()
+            if r:
+                for k, v in zip(rows, (sync_s, async_s, alone, during, n, orbax_s)):
+                    rows[k].append(v)
+        m = {k: statistics.median(v) for k, v in rows.items()}
+        print(
+            f"\n## async sharded save ({total:.0f} MiB) and FSDP Adam steps (2 x 1024x1024) meanwhile"
+        )
+        print(f"{'':34} {'s / step ms':>12} {'ratio':>7}")
+        print(f"{'synchronous CheckpointManager.save':34} {m['sync'] * 1e3:12.1f} {1:7.2f}")
+        print(
+            f"{'async save() returns after':34} {m['async'] * 1e3:12.1f} {m['async'] / m['sync']:7.3f}"
+        )
+        print(f"{'(plain Orbax async save() returns)':34} {m['orbax'] * 1e3:12.1f}")
+        print(f"{'step, no save':34} {m['alone'] * 1e3:12.2f} {1:7.2f}")
+        print(
+            f"{'step during the async save':34} {m['during'] * 1e3:12.2f} {m['during'] / m['alone']:7.2f}"
+            f"   ({m['n']:.0f} steps)"
+        )
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _finished(manager: Any) -> bool:
+    """Whether a manager's background sharded save has finished (benchmark only: reads the
+    manager's save in flight, an ``_orbax.AsyncWriter``)."""
+    pending = getattr(manager, "_pending", None)
+    writer = getattr(pending, "_inner", pending)  # the manager wraps it to prune after
+    return writer is None or writer.done()
 
 
 if __name__ == "__main__":

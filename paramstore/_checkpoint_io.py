@@ -92,6 +92,20 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
+# ------------------------------------------------------------------------ path locks
+
+_PATH_LOCKS = [threading.Lock() for _ in range(64)]  # striped: bounded, whatever the paths
+
+
+def path_lock(path: str) -> threading.Lock:
+    """The lock of one checkpoint path in this process (one of 64, by the path's hash):
+    saves to one path from several threads run one at a time (each writes a temporary and
+    renames it over the last; Orbax needs its directory to itself), so the previous
+    checkpoint is never lost; a sharded directory is read under it too (its files are
+    replaced one by one). Two paths may share a lock; no code holds two."""
+    return _PATH_LOCKS[hash(os.path.realpath(path)) % len(_PATH_LOCKS)]
+
+
 # ------------------------------------------------------------------------- checksums
 
 

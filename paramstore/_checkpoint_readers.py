@@ -14,9 +14,9 @@ import os
 import re
 from collections.abc import Iterator
 
-from paramstore import _orbax, _tf
+from paramstore import _orbax, _orbax_read, _tf
 from paramstore._checkpoint_file import SafetensorsFile
-from paramstore._checkpoint_io import check_regular
+from paramstore._checkpoint_io import check_regular, path_lock
 from paramstore._format import CheckpointError, PathLike, Reader
 from paramstore._tf_keras import KerasWeights, is_hdf5
 
@@ -61,7 +61,7 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
     directory), a Keras ``.weights.h5`` file, or a paramstore file. Close it after use."""
     resolved = _resolve(path)
     if os.path.isdir(resolved) and _orbax.is_checkpoint(resolved):
-        return _orbax.ShardedCheckpoint(resolved)
+        return _orbax_read.ShardedCheckpoint(resolved)
     if _tf.is_prefix(resolved) or os.path.isdir(resolved):
         return _tf.TensorFlowCheckpoint(resolved)
     if is_hdf5(resolved):
@@ -71,11 +71,16 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
 
 @contextlib.contextmanager
 def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
-    reader = open_reader(path, allow_unverified)
-    try:
-        yield reader
-    finally:
-        reader.close()
+    resolved = _resolve(path)
+    # a sharded directory is read under its path's lock: a save from another thread of
+    # this process replaces its files one by one (a single file is renamed atomically)
+    lock = path_lock(resolved) if _orbax.is_checkpoint(resolved) else contextlib.nullcontext()
+    with lock:
+        reader = open_reader(resolved, allow_unverified)
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
 def scan(directory: str) -> list[tuple[int, str]]:

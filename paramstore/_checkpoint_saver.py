@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 from paramstore import _orbax, _trace
 from paramstore import sharding as _sharding
 from paramstore._checkpoint_file import write_arrays
+from paramstore._checkpoint_io import path_lock
 from paramstore._checkpoint_readers import opened
 from paramstore._collect import named
 from paramstore._context import STATE_LOCK
@@ -33,7 +33,7 @@ from paramstore._format import (
 )
 from paramstore._safetensors import check_name
 from paramstore.scope import default_store
-from paramstore.variable import Variable
+from paramstore.variable import Variable, set_initial_value
 
 
 def check_step(step: Any) -> int:
@@ -235,7 +235,9 @@ def _assign_all(
 ) -> None:
     for name, value in values.items():
         v = present[name]
-        if id(v) in moves:
+        if v.is_abstract:  # ps.abstract(): the value (already on its sharding) makes it concrete
+            set_initial_value(v, value, owned=True)
+        elif id(v) in moves:
             v._write(value, owned=True)
         elif (
             not _trace.depth
@@ -300,7 +302,7 @@ def placements_for(
 
 
 def check_assignable(name: str, v: Variable) -> None:
-    if type(v) is not Variable:
+    if type(v) is not Variable and not v.is_abstract:  # an abstract one: set_initial_value
         raise TypeError(
             f"Saver: '{name}' is a detached copy of variable '{v.name}' (it went through a "
             "JAX transformation as a pytree) and cannot be assigned; restore the original."
@@ -330,14 +332,3 @@ def mismatch(path: str, name: str, shape: tuple[int, ...], dtype: np.dtype, v: V
         f"{head} Restore into a model built with the same configuration, or leave this "
         "variable out of the Saver."
     )
-
-
-_PATH_LOCKS = [threading.Lock() for _ in range(64)]  # striped: bounded, whatever the paths
-
-
-def path_lock(path: str) -> threading.Lock:
-    """The lock of one checkpoint path in this process (one of 64, by the path's hash):
-    saves to one path from several threads run one at a time (each writes a temporary and
-    renames it over the last; Orbax needs its directory to itself), so the previous
-    checkpoint is never lost. Two paths may share a lock; no code holds two."""
-    return _PATH_LOCKS[hash(os.path.realpath(path)) % len(_PATH_LOCKS)]

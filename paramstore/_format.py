@@ -6,7 +6,7 @@ file's header or metadata alone) and ``load(wanted)``, which reads ``{name: plac
 ``{name: value}`` only once every value has been read and verified; it raises
 ``CheckpointError`` otherwise. Writable formats also have a module-level ``save``.
 Implemented by ``_checkpoint_file.SafetensorsFile`` (the default single file),
-``_orbax.ShardedCheckpoint`` (Orbax directories) and, read-only,
+``_orbax_read.ShardedCheckpoint`` (Orbax directories) and, read-only,
 ``_tf.TensorFlowCheckpoint`` / ``_tf.KerasWeights``. ``paramstore.checkpoint.open_reader``
 picks one from what is on disk.
 """

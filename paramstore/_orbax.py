@@ -1,55 +1,56 @@
 """Sharded checkpoints through Orbax: the format behind ``ps.Saver(..., sharded=...)``.
 
-A sharded checkpoint is a directory written by one Orbax ``Checkpointer`` with a
-``CompositeCheckpointHandler`` and two items:
+A sharded checkpoint is a directory:
 
-* ``arrays``: a flat Orbax pytree ``{"v0": array, "v1": ...}`` (positional keys, so that no
-  variable name has to be escaped). Each process writes only the shards it holds
-  (TensorStore, one OCDBT store per process); restoring reads, for each device, only the
-  pieces its shard needs, so the checkpoint restores onto any mesh and process count.
-* ``paramstore``: JSON (``paramstore/metadata``) with the format name and version and, per
-  variable, its name, key, shape, dtype and ``checksum`` (the manifest); string variables
+* ``arrays/``: written by an Orbax ``Checkpointer`` (``CompositeCheckpointHandler``, one item):
+  a flat pytree ``{"v0": array, "v1": ...}`` (positional keys, so that no variable name has
+  to be escaped). Each process writes only the shards it holds (TensorStore, one OCDBT
+  store per process); restoring reads, for each device, only the pieces its shard needs,
+  so the checkpoint restores onto any mesh and process count.
+* ``paramstore/process_<i>.json``, one per writing process: the sums of every shard the
+  process wrote and the digests of its files (``paramstore._orbax_integrity``).
+* ``paramstore/metadata``, written by process 0 last: the format version, the number of
+  writing processes and, per variable, its name, key, shape and dtype; string variables
   keep their values here, and empty arrays (which Orbax cannot store) need nothing more.
 
-The checksum (``sum64``) of an array is computed by JAX over the global array, whatever its
-sharding and however many processes hold it: two sums over the array's little-endian bytes
-``b[i]``, ``sum(b[i] * (2i + 1))`` and ``sum((b[i] + 1) * (i * 0x9E3779B1 | 1))``, each mod
-2**32. Every single flipped bit changes the first; random damage passes both with odds of
-about 2**-64. Every array entry must carry one (format version 2; version 1 directories,
-written without checksums, are refused). Restoring recomputes it on the restored value
-(after any cast: an edited dtype fails it) and raises before any variable is assigned.
-
-paramstore reads the JSON itself (``list_variables`` needs no Orbax) and checks names,
-shapes and dtypes before Orbax reads any array. Orbax writes into a temporary directory and
-renames it once every process has finished, so a crash never leaves a half-written
-checkpoint under the final name. Orbax is imported only here, lazily (``importlib``).
-``ShardedCheckpoint`` is this format's ``_format.Reader``.
+Orbax writes into a temporary directory and renames it once every process has finished;
+the metadata appears only after every process file is there, so a directory without it
+(a crash, a kill -9 mid-save) is no checkpoint: readers and ``CheckpointManager`` skip it.
+Restoring checks the metadata and process files' digests, that the writers' shards tile
+each array, every file's digest, and the sums of the restored values, shard by shard where
+the layout is the writer's and as a total otherwise, before any variable is assigned.
+paramstore reads the JSON itself (``list_variables`` needs no Orbax). Orbax is imported
+only here, lazily (``importlib``). ``_orbax_read.ShardedCheckpoint`` is this format's
+``_format.Reader``.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import os
+import shutil
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from paramstore._format import CheckpointError, Entry, PathLike, no_such_variable
-from paramstore._safetensors import MAX_DEPTH, json_depth
+from paramstore import _orbax_integrity as integrity
+from paramstore._format import CheckpointError
 
 FORMAT = "paramstore-sharded"
-VERSION = 2
-MAX_METADATA = 256 * 2**20  # the JSON holds string values too
+PROCESS_FORMAT = "paramstore-sharded-process"
+VERSION = integrity.WRAPPER_VERSION
 ARRAYS = "arrays"
 META = "paramstore"
-_META_FILE = "metadata"  # Orbax's JsonCheckpointHandler default file name
+_META_FILE = "metadata"
 _STRING = np.dtypes.StringDType()
+PEER_TIMEOUT = 600.0  # seconds process 0 waits for the other processes' files
+_PATH_LOCKS: dict[str, threading.Lock] = {}
+_PATH_LOCKS_LOCK = threading.Lock()
 
 
 class FormatError(ValueError):
@@ -70,8 +71,12 @@ def orbax() -> Any:
 
 
 def is_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a sharded (Orbax) paramstore checkpoint directory."""
+    """Whether ``path`` is a (finished) sharded paramstore checkpoint directory."""
     return os.path.isfile(os.path.join(path, META, _META_FILE))
+
+
+def process_file(path: str, process: int) -> str:
+    return os.path.join(path, META, f"process_{process}.json")
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -95,36 +100,19 @@ def _dtype_name(dt: np.dtype) -> str:
     return "string" if dt == _STRING else dt.name
 
 
-def read_metadata(path: str) -> list[dict[str, Any]]:
-    """The variables of a sharded checkpoint: ``[{"name", "key", "shape", "dtype",
-    "strings"?}]`` in save order, validated (FormatError if malformed)."""
+def read_metadata(path: str) -> tuple[int, list[dict[str, Any]]]:
+    """``(number of writing processes, [{"name", "key", "shape", "dtype", "strings"?}])``
+    of a sharded checkpoint, in save order, verified (FormatError if damaged)."""
     file = os.path.join(path, META, _META_FILE)
+    if not os.path.isfile(file):
+        raise FormatError(f"'{path}' is not a sharded paramstore checkpoint (no {file})")
     try:
-        if os.path.getsize(file) > MAX_METADATA:
-            raise ValueError(f"it exceeds {MAX_METADATA // 2**20} MiB")
-        with open(file, "rb") as f:
-            raw = f.read()
-        depth = json_depth(raw)
-        if depth > MAX_DEPTH:
-            raise ValueError(f"it nests {depth} levels deep, more than {MAX_DEPTH}")
-        meta = json.loads(raw)
-    except FileNotFoundError:
-        raise FormatError(f"'{path}' is not a sharded paramstore checkpoint (no {file})") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise FormatError(f"its metadata {file} cannot be read: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise FormatError(f"{file} is not paramstore metadata")
-    if meta.get("version") != VERSION:
-        old = meta.get("version") == 1
-        raise FormatError(
-            f"format version {meta.get('version')!r} is not one this paramstore reads "
-            f"({VERSION}); "
-            + (
-                "version 1 has no checksums: load it with paramstore 0.1 and save it again"
-                if old
-                else "upgrade paramstore"
-            )
-        )
+        meta = integrity.read_json(file, FORMAT)
+    except integrity.IntegrityError as e:
+        raise FormatError(f"its metadata {META}/{_META_FILE} cannot be read: {e}") from None
+    processes = meta.get("processes") if isinstance(meta, dict) else None
+    if type(processes) is not int or processes < 1:
+        raise FormatError(f"{file} has no valid process count")
     out = []
     seen: set[str] = set()
     for entry in meta.get("variables", ()):
@@ -147,15 +135,10 @@ def read_metadata(path: str) -> list[dict[str, Any]]:
             ):
                 raise FormatError(f"string variable '{name}' has bad values")
             item["strings"] = values
-        elif math.prod(shape) != 0:
-            digest = entry.get("checksum")
-            if not isinstance(key, str):
-                raise FormatError(f"variable '{name}' has no array key")
-            if not (isinstance(digest, str) and len(digest) == 16):
-                raise FormatError(f"variable '{name}' has no checksum in the manifest")
-            item["checksum"] = digest
+        elif math.prod(shape) != 0 and not isinstance(key, str):
+            raise FormatError(f"variable '{name}' has no array key")
         out.append(item)
-    return out
+    return processes, out
 
 
 # ------------------------------------------------------------------------------- saving
@@ -170,198 +153,187 @@ def host_value(x: Any) -> Any:
     return x
 
 
-def save(path: str, values: Mapping[str, Any], checkpointer: Any = None) -> str:
+class _Plan:
+    """One save: the metadata, the Orbax tree and the pending shard sums."""
+
+    def __init__(self, path: str, values: Mapping[str, Any]) -> None:
+        self.path = path
+        self.process = jax.process_index()
+        self.processes = jax.process_count()
+        self.entries: list[dict[str, Any]] = []
+        self.arrays: dict[str, Any] = {}
+        mine: dict[str, Any] = {}
+        for i, (name, x) in enumerate(values.items()):
+            dtype = np.dtype(x.dtype)
+            entry: dict[str, Any] = {
+                "name": name,
+                "key": None,
+                "shape": [int(d) for d in x.shape],
+                "dtype": _dtype_name(dtype),
+            }
+            if dtype == _STRING:
+                entry["strings"] = [str(s) for s in np.asarray(x).reshape(-1).tolist()]
+            elif math.prod(x.shape) != 0:  # Orbax cannot store an empty array
+                entry["key"] = key = f"v{i}"
+                value = host_value(x)
+                self.arrays[key] = value
+                local = not isinstance(value, jax.Array) or (
+                    self.processes > 1 and value.is_fully_addressable
+                )
+                if not local or self.process == 0:  # a local value is process 0's
+                    mine[key] = value
+            self.entries.append(entry)
+        self.pending = integrity.dispatch_sums(mine)  # runs on the devices, not waited for
+
+    def finish(self) -> None:
+        """After Orbax finished: write this process's sums and file digests, and (process
+        0, once every process's file is there) the metadata that makes it a checkpoint."""
+        shards = {
+            key: [[box, integrity.hexsums(s)] for box, s in integrity.fetch(p)]
+            for key, p in self.pending.items()
+        }
+        os.makedirs(os.path.join(self.path, META), exist_ok=True)
+        files = integrity.digest_files(
+            self.path, integrity.files_of(self.path, self.process, skip=META)
+        )
+        body = {"process": self.process, "shards": shards, "files": files}
+        integrity.write_json(process_file(self.path, self.process), PROCESS_FORMAT, body)
+        if self.process != 0:
+            return
+        others = [process_file(self.path, p) for p in range(1, self.processes)]
+        missing = integrity.wait_for(others, PEER_TIMEOUT)
+        if missing:
+            raise CheckpointError(
+                f"Sharded checkpoint '{self.path}' is incomplete: after {PEER_TIMEOUT:.0f} s "
+                f"{len(missing)} process(es) have not written their part ({missing[0]}). Every "
+                "process must call save with the same variables; the previous checkpoint is "
+                "untouched."
+            )
+        meta = {"processes": self.processes, "variables": self.entries}
+        integrity.write_json(os.path.join(self.path, META, _META_FILE), FORMAT, meta)
+
+
+def _handler(ocp: Any) -> Any:
+    """Orbax's composite handler, with the arrays written uncompressed: zstd (Orbax's
+    default) shrank 64 MiB of trained-like float32 (normal) values by 3% and cost more than
+    the whole rest of a save (512 MiB on 8 CPU devices: see benchmarks/README.md)."""
+    return ocp.CompositeCheckpointHandler(
+        **{ARRAYS: ocp.PyTreeCheckpointHandler(use_compression=False)}
+    )
+
+
+def _path_lock(path: str) -> threading.Lock:
+    with _PATH_LOCKS_LOCK:
+        return _PATH_LOCKS.setdefault(path, threading.Lock())
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils = importlib.import_module("jax.experimental.multihost_utils")
+        multihost_utils.sync_global_devices(name)
+
+
+def _write_arrays(ocp: Any, checkpointer: Any, plan: _Plan) -> None:
+    if plan.arrays:
+        args = ocp.args.Composite(**{ARRAYS: ocp.args.PyTreeSave(plan.arrays)})
+        checkpointer.save(plan.path, args, force=True)
+        return
+    if plan.process == 0:  # nothing for Orbax: the metadata says it all
+        shutil.rmtree(plan.path, ignore_errors=True)
+        os.makedirs(os.path.join(plan.path, META))
+    _barrier("paramstore.sharded.empty")
+
+
+def save(path: str, values: Mapping[str, Any], checkpointer: AsyncWriter | None = None) -> str:
     """Write ``{name: jax.Array | NumPy string array}`` as a sharded checkpoint at ``path``
-    (replacing one there). Every process must call it with the same names. With an Orbax
-    ``AsyncCheckpointer`` as ``checkpointer`` it returns once the values are copied to host;
-    the checkpointer's ``wait_until_finished`` completes it."""
+    (replacing one there). Every process must call it with the same names. With an
+    ``AsyncWriter`` it returns once the values are copied off the devices; the writer's
+    ``wait_until_finished`` completes it. Saves to one path are serialized."""
     ocp = orbax()
     path = os.path.abspath(path)
-    entries: list[dict[str, Any]] = []
-    arrays: dict[str, Any] = {}
-    for i, (name, x) in enumerate(values.items()):
-        dtype = np.dtype(x.dtype)
-        entry: dict[str, Any] = {
-            "name": name,
-            "key": None,
-            "shape": [int(d) for d in x.shape],
-            "dtype": _dtype_name(dtype),
-        }
-        if dtype == _STRING:
-            entry["strings"] = [str(s) for s in np.asarray(x).reshape(-1).tolist()]
-        elif math.prod(x.shape) == 0:
-            pass  # Orbax cannot store an empty array; its shape and dtype say it all
-        else:
-            entry["key"] = key = f"v{i}"
-            entry["checksum"] = checksum(x)
-            arrays[key] = host_value(x)
-        entries.append(entry)
-    meta = {"format": FORMAT, "version": VERSION, "variables": entries}
-    items: dict[str, Any] = {META: ocp.args.JsonSave(meta)}
-    if arrays:
-        items[ARRAYS] = ocp.args.PyTreeSave(arrays)
-    if checkpointer is None:
-        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     parent = os.path.dirname(path)
     if parent and jax.process_index() == 0:
         os.makedirs(parent, exist_ok=True)
-    checkpointer.save(path, ocp.args.Composite(**items), force=True)
+    if checkpointer is not None:
+        checkpointer.save(path, values)
+        return path
+    with _path_lock(path):
+        plan = _Plan(path, values)
+        _write_arrays(ocp, ocp.Checkpointer(_handler(ocp)), plan)
+        plan.finish()
+        _barrier("paramstore.sharded.saved")
     return path
 
 
-def async_checkpointer() -> Any:
-    ocp = orbax()
-    return ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+class AsyncWriter:
+    """Sharded saves in the background: ``save`` returns once Orbax has the values on the
+    host (and the shard sums are dispatched); a thread waits for Orbax, then writes the
+    process file and the metadata. ``wait_until_finished`` joins it and re-raises its
+    error. One save at a time: a second ``save`` waits for the first."""
 
+    def __init__(self, one_shot: bool = False) -> None:
+        self._one_shot = one_shot  # close Orbax's checkpointer after the first save
+        ocp = orbax()
+        self._ocp = ocp
+        self._checkpointer = ocp.AsyncCheckpointer(_handler(ocp))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-# ---------------------------------------------------------------------------- restoring
-
-
-_GOLDEN = 0x9E3779B1
-_SUM_CHUNK = 2**22
-
-
-def checksum(x: Any) -> str:
-    """The ``sum64`` of an array (see the module docstring), as 16 hex digits. Computed on
-    the host when the value is all here, else by JAX over the global (sharded) array."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        s1, s2 = _device_sums(x)
-        return f"{int(s1):08x}{int(s2):08x}"
-    arr = np.asarray(x)
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    b = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-    s1 = s2 = 0
-    for start in range(0, b.size, _SUM_CHUNK):
-        chunk = b[start : start + _SUM_CHUNK].astype(np.uint64)
-        i = np.arange(start, start + chunk.size, dtype=np.uint64)
-        s1 += int(np.sum(chunk * (2 * i + 1), dtype=np.uint64))
-        w = ((i * np.uint64(_GOLDEN)) & np.uint64(0xFFFFFFFF)) | np.uint64(1)
-        s2 += int(np.sum((chunk + 1) * w, dtype=np.uint64))
-    return f"{s1 % 2**32:08x}{s2 % 2**32:08x}"
-
-
-@jax.jit
-def _device_sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag], axis=-1)
-    b = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1).astype(jnp.uint32)
-    i = jax.lax.iota(jnp.uint32, b.size)
-    s1 = jnp.sum(b * (2 * i + 1), dtype=jnp.uint32)
-    s2 = jnp.sum((b + 1) * ((i * jnp.uint32(_GOLDEN)) | 1), dtype=jnp.uint32)
-    return s1, s2
-
-
-class ShardedCheckpoint:
-    """A sharded (Orbax) checkpoint directory: this format's ``_format.Reader``."""
-
-    def __init__(self, path: PathLike) -> None:
-        self.path = os.fspath(path)
+    def save(self, path: str, values: Mapping[str, Any]) -> None:
+        self.wait_until_finished()
+        lock = _path_lock(path)
+        lock.acquire()  # released by the background thread
         try:
-            self._meta = {e["name"]: e for e in read_metadata(self.path)}
-        except FormatError as e:
-            raise CheckpointError(f"Checkpoint '{self.path}' is not readable: {e}.") from None
-        self.entries = {
-            name: Entry(name, e["shape"], e["dtype"], _nbytes(e)) for name, e in self._meta.items()
-        }
-        self.description = f"sharded (Orbax), format version {VERSION}"
-
-    def close(self) -> None:
-        pass
-
-    def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
-        """``{name: placement}`` -> ``{name: value}``, each value checked against the
-        manifest before any is returned (CheckpointError otherwise)."""
-        for name in wanted:
-            if name not in self._meta:
-                raise no_such_variable(self.path, name, self._meta)
-        try:
-            out = load(self.path, {n: (self._meta[n], p) for n, p in wanted.items()})
-        except ImportError:
+            plan = _Plan(path, values)
+            _write_arrays(self._ocp, self._checkpointer, plan)
+        except BaseException:
+            lock.release()
             raise
-        except Exception as e:  # Orbax / TensorStore: missing or corrupt array data
-            raise CheckpointError(
-                f"Checkpoint '{self.path}' is corrupt or incomplete: its array data could not "
-                f"be read ({type(e).__name__}: {e}). Restore another checkpoint."
-            ) from None
-        for name, value in out.items():
-            meta = self._meta[name]
-            if "checksum" not in meta:
-                continue
-            if not isinstance(value, (jax.Array, np.ndarray)):
-                raise CheckpointError(
-                    f"Checkpoint '{self.path}' is corrupt or incomplete: its array data has no "
-                    f"value for variable '{name}' (key {meta['key']!r}). Restore another "
-                    "checkpoint."
-                )
-            if tuple(value.shape) != meta["shape"] or np.dtype(value.dtype) != meta["dtype"]:
-                raise CheckpointError(
-                    f"Checkpoint '{self.path}' is corrupt: variable '{name}' was read with "
-                    f"shape {tuple(value.shape)} and dtype {value.dtype}, but its metadata says "
-                    f"{meta['shape']} and {meta['dtype']}."
-                )
-            got = checksum(value)
-            if got != meta["checksum"]:
-                raise CheckpointError(
-                    f"Checkpoint '{self.path}' is corrupt: the data of variable '{name}' fails "
-                    f"its checksum (sum64 {got}, expected {meta['checksum']}; a flipped bit, or "
-                    "metadata edited to another dtype). Restore an older checkpoint."
-                )
-        return out
+        self._thread = threading.Thread(
+            target=self._finish, args=(plan, lock), name="paramstore-sharded-save", daemon=True
+        )
+        self._thread.start()
+
+    def _finish(self, plan: _Plan, lock: threading.Lock) -> None:
+        try:
+            self._checkpointer.wait_until_finished()
+            plan.finish()
+        except BaseException as e:
+            e.add_note(f"(raised by the background save of '{plan.path}')")
+            self._error = e
+        finally:
+            lock.release()
+            if self._one_shot:
+                self._checkpointer.close()
+
+    def wait_until_finished(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def done(self) -> bool:
+        """Whether the save in flight (if any) has finished (its error, if any, is raised by
+        ``wait_until_finished``)."""
+        thread = self._thread
+        return thread is None or not thread.is_alive()
+
+    def wait(self) -> None:
+        """``wait_until_finished`` (the ``CheckpointManager``'s ``Background`` protocol)."""
+        self.wait_until_finished()
 
 
-def _nbytes(e: Mapping[str, Any]) -> int:
-    if "strings" in e:
-        return sum(len(t.encode("utf-8", "surrogatepass")) for t in e["strings"])
-    return math.prod(e["shape"]) * e["dtype"].itemsize
+def async_checkpointer() -> AsyncWriter:
+    return AsyncWriter()
 
 
-def load(path: str, wanted: Mapping[str, tuple[dict[str, Any], Any]]) -> dict[str, Any]:
-    """Read ``{name: (metadata entry, target sharding or None)}``: a ``jax.Array`` on the
-    target sharding (NumPy where it is None), or the NumPy array of a string variable."""
-    out: dict[str, Any] = {}
-    targets: dict[str, Any] = {}
-    args: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    ocp = None
-    for name, (entry, sharding) in wanted.items():
-        if entry["dtype"] == _STRING:
-            arr = np.asarray(entry["strings"], dtype=_STRING).reshape(entry["shape"])
-            arr.flags.writeable = False
-            out[name] = arr
-            continue
-        if entry["key"] is None:  # empty: stored as metadata only
-            empty = np.zeros(entry["shape"], entry["dtype"])
-            out[name] = empty if sharding is None else jax.device_put(empty, sharding)
-            continue
-        ocp = ocp or orbax()
-        key = entry["key"]
-        names[key] = name
-        if sharding is None:
-            targets[key] = np.empty(0, entry["dtype"])
-            args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=entry["dtype"])
-        else:
-            targets[key] = jax.ShapeDtypeStruct(entry["shape"], entry["dtype"], sharding=sharding)
-            args[key] = ocp.ArrayRestoreArgs(
-                sharding=sharding, global_shape=entry["shape"], dtype=entry["dtype"]
-            )
-    if targets:
-        assert ocp is not None
-        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-        restored = checkpointer.restore(
-            os.path.abspath(path),
-            ocp.args.Composite(
-                **{
-                    ARRAYS: ocp.args.PyTreeRestore(
-                        item=targets, restore_args=args, partial_restore=True
-                    )
-                }
-            ),
-        )[ARRAYS]
-        for key, name in names.items():
-            if key not in restored:
-                raise FormatError(f"the array data lacks '{key}' (variable '{name}')")
-            out[name] = restored[key]
-    return out
+def save_async(path: str, values: Mapping[str, Any]) -> AsyncWriter:
+    """Start a sharded save in the background (``CheckpointManager(async_save=True)``):
+    returns once the values are off the devices, as an object whose ``wait()`` completes
+    it (and re-raises its error). Each save has its own writer (an Orbax AsyncCheckpointer
+    costs ~3 ms to make), closed when the save is done."""
+    writer = AsyncWriter(one_shot=True)
+    save(os.path.abspath(path), values, writer)
+    return writer

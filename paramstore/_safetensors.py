@@ -127,7 +127,14 @@ def encode(name: str, arr: np.ndarray) -> Tensor:
     shape = tuple(map(int, arr.shape))
     dtype = arr.dtype
     if _is_string(dtype):
-        blob = _encode_strings(arr)
+        try:
+            blob = _encode_strings(arr)
+        except UnicodeError as e:
+            raise CheckpointError(
+                f"Cannot save '{name}': its strings are not valid UTF-8 text ({e}); the "
+                "format stores strings as UTF-8. Decode bytes before "
+                "making a string variable (b.decode('utf-8')), or keep them as a uint8 array."
+            ) from None
         return Tensor(name, "U8", (blob.size,), blob.data, ("string", shape), 1)
     if not _storable(dtype):
         raise CheckpointError(

@@ -165,5 +165,10 @@ class TensorFlowCheckpoint:
                     f"TensorFlow checkpoint '{self.path}' is corrupt: variable '{name}' "
                     f"cannot be read ({type(e).__name__}: {e})."
                 ) from None
+            if arr.shape != self.entries[name].shape:
+                raise CheckpointError(
+                    f"TensorFlow checkpoint '{self.path}' is corrupt: variable '{name}' read "
+                    f"as shape {arr.shape}, its index says {self.entries[name].shape}."
+                )
             values[name] = _strings(arr) if arr.dtype == object else arr
         return place(values, wanted)

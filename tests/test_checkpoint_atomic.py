@@ -205,3 +205,40 @@ def test_saves_to_one_path_from_two_threads_never_lose_the_checkpoint(tmp_path):
     assert run_threads(saves, saves, reads) == []
     assert seen and set(seen) == {999}
     assert [n for n in os.listdir(tmp_path) if n != "c.safetensors"] == []
+
+
+def test_sharded_saves_and_reads_of_one_path_from_threads(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    v = ps.Variable(np.arange(100, dtype=np.float32), name="v")
+    path = Saver([v], sharded=True).save(tmp_path / "s")
+    errors: list[str] = []
+
+    def saves():
+        for _ in range(4):
+            Saver([v], sharded=True).save(path)
+
+    def reads():
+        for _ in range(12):
+            try:  # before: the directory's files were read while another thread replaced them
+                assert checkpoint.load_variable(path, "v")[-1] == 99
+            except Exception as e:
+                errors.append(repr(e)[:300])
+
+    assert run_threads(saves, saves, reads) == []
+    assert errors == []
+    assert checkpoint.load_variable(path, "v").tolist() == list(range(100))
+    manager = CheckpointManager(tmp_path / "run", [v], max_to_keep=2, async_save=True, sharded=True)
+
+    def manager_saves(offset):
+        return lambda: [manager.save(offset + i) for i in range(4)]
+
+    assert run_threads(manager_saves(0), manager_saves(100)) == []
+    manager.wait()
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-102", "ckpt-103"]
+
+
+def test_strings_that_are_not_utf8_are_a_checkpoint_error_naming_them(tmp_path):
+    bad = np.array([b"\xff\xfe"]).astype(np.dtypes.StringDType())  # bytes kept undecoded
+    with pytest.raises(CheckpointError, match=r"Cannot save 's': its strings are not valid"):
+        checkpoint.write_arrays(tmp_path / "c.safetensors", {"s": bad, "x": np.ones(2)})
+    assert os.listdir(tmp_path) == []  # nothing written, no temporary left

@@ -69,7 +69,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "_checkpoint_readers",
             "_checkpoint_saver",
             "_checkpoint_manager",
-            "_orbax",
+            "_orbax*",
             "_formats",
             "_tf*",
         ],

@@ -1,13 +1,18 @@
-"""Multi-process training and a sharded checkpoint, on JAX's own distributed runtime.
+"""Multi-process FSDP training with an async sharded checkpoint, killed and resumed elsewhere.
 
 Two processes on 127.0.0.1 (``jax.distributed.initialize``, CPU collectives through gloo),
-each with 2 local CPU devices, train a few Adam steps of an MLP whose variables are sharded
-over all 4 devices, and save a checkpoint with ``ps.Saver`` (Orbax: each process writes
-only its own shards). A third process, alone with 2 devices, builds the model on a
-different mesh and restores it: every value equals what the trainers held.
+each with 4 local CPU devices, train an MLP whose parameters and Adam slots are sharded
+FSDP-style over all 8 devices (rows split over the mesh axis ``"data"``). They save step 2
+with an async ``CheckpointManager`` (each process writes only its own shards) and wait for
+it, train two more steps, start an async save of step 4 and are killed (``SIGKILL``, each
+process itself) while it is being written. A third process, alone with 8 devices, builds
+the model on its own mesh, restores the latest checkpoint (step 2, or step 4 if it was
+complete before the kill): every value equals what the trainers held at that step, and
+training goes on.
 
 This file is also the processes' script: ``python tests/test_multiprocess.py train
-PROCESS_ID PORT DIR`` or ``... restore DIR``.
+PROCESS_ID PORT DIR`` or ``... resume DIR`` (docs/sharding.md starts N processes the same
+way).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ if __name__ == "__main__":  # a worker process: configure JAX before it starts
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_num_cpu_devices", 4 if sys.argv[1] == "train" else 8)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 import json
+import signal
 import socket
 import subprocess
 import time
@@ -30,11 +36,8 @@ from pathlib import Path
 
 import pytest
 
-STEPS = 3
-SIZES = [8, 16, 16, 4]
-# (w spec, b spec) per layer over the 1-D mesh axis "x": column-, row-, column-parallel
-SPECS = [((None, "x"), ("x",)), (("x", None), ()), ((None, "x"), ("x",))]
-WORKER_TIMEOUT = 90  # seconds, per process
+SIZES = [16, 32, 32, 8]
+WORKER_TIMEOUT = 120  # seconds, per group of processes (a run takes ~25 s each)
 
 
 # ------------------------------------------------------------------------------ workers
@@ -49,42 +52,57 @@ def _model(mesh):
     import paramstore as ps
 
     rng = np.random.default_rng(0)
-    layers = []
+    fsdp = NamedSharding(mesh, P("data"))  # rows split over every device
+    params = []
     with ps.name_scope("mlp"):
-        for i, ((a, b), (w_spec, b_spec)) in enumerate(zip(zip(SIZES[:-1], SIZES[1:]), SPECS)):
+        for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
             w = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
-            layers.append(
-                (
-                    ps.Variable(w, name=f"w{i}", sharding=NamedSharding(mesh, P(*w_spec))),
-                    ps.Variable(
-                        np.zeros(b, np.float32),
-                        name=f"b{i}",
-                        sharding=NamedSharding(mesh, P(*b_spec)),
-                    ),
-                )
-            )
-    params = [v for pair in layers for v in pair]
+            params.append(ps.Variable(w, name=f"w{i}", sharding=fsdp))
+            params.append(ps.Variable(np.zeros(b, np.float32), name=f"b{i}", sharding=fsdp))
     opt = ps.Optimizer(optax.adam(1e-2), params)
-    return layers, params, opt
+    return params, opt
 
 
-def _forward(layers, x):
+def _step_fn(params, opt):
     import jax
+    import jax.numpy as jnp
 
-    for i, (w, b) in enumerate(layers):
-        x = x @ w + b
-        if i < len(layers) - 1:
-            x = jax.nn.relu(x)
-    return x
+    import paramstore as ps
+
+    def forward(x):
+        for i in range(0, len(params), 2):
+            x = x @ params[i] + params[i + 1]
+            if i < len(params) - 2:
+                x = jax.nn.relu(x)
+        return x
+
+    @ps.function
+    def step(x, y):
+        loss, grads = ps.value_and_grad(lambda: jnp.mean((forward(x) - y) ** 2), params)()
+        opt.apply_gradients(grads)
+        return loss
+
+    return step
+
+
+def _batch(mesh):
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, SIZES[0])).astype(np.float32)
+    y = rng.standard_normal((64, SIZES[-1])).astype(np.float32)
+    batch = NamedSharding(mesh, P("data"))  # each process feeds the same global batch
+    return jax.device_put(x, batch), jax.device_put(y, batch)
 
 
 def train(process_id: int, port: int, directory: str) -> None:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType
 
     import paramstore as ps
 
@@ -92,80 +110,105 @@ def train(process_id: int, port: int, directory: str) -> None:
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=2,
         process_id=process_id,
-        initialization_timeout=60,
+        initialization_timeout=30,
     )
-    assert jax.process_count() == 2 and len(jax.devices()) == 4
-    assert len(jax.local_devices()) == 2
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
-    layers, params, opt = _model(mesh)
-    w0 = params[0]
-    assert not w0.value().is_fully_addressable  # each process holds 2 of its 4 shards
-    assert repr(w0) == "<ps.Variable 'mlp/w0' shape=(8, 16) dtype=float32, sharded over 4 devices>"
+    assert jax.process_count() == 2 and len(jax.devices()) == 8
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    params, opt = _model(mesh)
+    assert not params[0].value().is_fully_addressable  # 4 of its 8 shards live here
+    step = _step_fn(params, opt)
+    x, y = _batch(mesh)
+    note = ps.Variable(["trained", "on 2 x 4 devices"], name="note")
+    variables = [*params, *opt.variables, note]
+    manager = ps.CheckpointManager(os.path.join(directory, "ckpts"), variables, async_save=True)
+    assert manager.saver._writes_sharded()  # the default with several processes
 
-    @ps.function
-    def step(x, y):
-        loss, grads = ps.value_and_grad(lambda: jnp.mean((_forward(layers, x) - y) ** 2), params)()
-        opt.apply_gradients(grads)
-        return loss
+    def gathered() -> dict:
+        return {
+            v.name: np.asarray(multihost_utils.process_allgather(v.value(), tiled=True))
+            for v in variables[:-1]
+        }
 
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((32, SIZES[0])).astype(np.float32)
-    y = rng.standard_normal((32, SIZES[-1])).astype(np.float32)
-    replicated = NamedSharding(mesh, P())
-    xs, ys = jax.device_put(x, replicated), jax.device_put(y, replicated)  # same on both
-    losses = [float(step(xs, ys)) for _ in range(STEPS)]
+    losses = []
+    expected = {}
+    for target in (2, 4):
+        while int(opt.iterations.numpy()) < target:
+            losses.append(float(step(x, y)))
+        expected[target] = gathered()
+        if process_id == 0:
+            np.savez(os.path.join(directory, f"expected-{target}.npz"), **expected[target])
+            Path(directory, "losses.json").write_text(json.dumps(losses))
+        multihost_utils.sync_global_devices(f"expected-{target}")
+        manager.save(target)  # returns once the values are off the devices
+        if target == 2:
+            manager.wait()
+            _corrupt_copy_is_refused_by_every_process(directory, variables, process_id)
     assert step.trace_count == 1
-    assert sum(e.runner._cache_size() for e in step._cache.values()) == 1  # no recompiling
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # killed while step 4 is written
 
-    # a process-local variable (no placement) and a string one are saved from process 0
-    epoch = ps.Variable(7 + process_id, name="epoch")
-    note = ps.Variable(["trained", "on 4 devices"], name="note")
-    variables = params + list(opt.variables) + [epoch, note]
-    path = ps.Saver(variables).save(os.path.join(directory, "ckpt"), step=STEPS)
-    variables = variables[:-2]
-    # what every process holds, gathered, for the restoring process to compare with
-    full = {
-        v.name: np.asarray(multihost_utils.process_allgather(v.value(), tiled=True))
-        for v in variables
-    }
+
+def _corrupt_copy_is_refused_by_every_process(directory, variables, process_id) -> None:
+    """A flipped bit in a file of process 1's shard store: process 1 checks that store's
+    digests, yet both processes raise (the verdict is shared) and no variable changes."""
+    import shutil
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import paramstore as ps
+
+    corrupt = os.path.join(directory, "corrupt")
     if process_id == 0:
-        np.savez(os.path.join(directory, "expected.npz"), **full)
-        Path(directory, "result.json").write_text(json.dumps({"path": path, "losses": losses}))
-    multihost_utils.sync_global_devices("done")
-    jax.distributed.shutdown()
+        shutil.copytree(os.path.join(directory, "ckpts", "ckpt-2"), corrupt)
+        store = Path(corrupt, "arrays", "ocdbt.process_1")
+        victim = max((f for f in store.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        victim.write_bytes(bytes(raw))
+    multihost_utils.sync_global_devices("corrupt-copy")
+    before = [
+        np.asarray(multihost_utils.process_allgather(v.value(), tiled=True)) for v in variables[:-1]
+    ]
+    try:
+        ps.Saver(variables).restore(corrupt)
+    except ps.checkpoint.CheckpointError as e:
+        assert "corrupt" in str(e), e
+    else:
+        raise AssertionError(f"process {process_id} restored a corrupt checkpoint")
+    after = [
+        np.asarray(multihost_utils.process_allgather(v.value(), tiled=True)) for v in variables[:-1]
+    ]
+    assert all(np.array_equal(b, a) for b, a in zip(before, after))
 
 
-def restore(directory: str) -> None:
+def resume(directory: str) -> None:
     import jax
     import numpy as np
     from jax.sharding import AxisType
 
     import paramstore as ps
 
-    assert jax.process_count() == 1 and len(jax.devices()) == 2
-    result = json.loads(Path(directory, "result.json").read_text())
-    expected = dict(np.load(os.path.join(directory, "expected.npz")))
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,))  # a different mesh
-    _, params, opt = _model(mesh)
-    variables = params + list(opt.variables)
-    listed = {
-        name: (shape, dtype) for name, shape, dtype in ps.checkpoint.list_variables(result["path"])
-    }
-    assert set(listed) == set(expected) | {"epoch", "note"}, (sorted(listed), sorted(expected))
-    for name, arr in expected.items():
-        assert listed[name] == (arr.shape, arr.dtype), (name, listed[name], arr.shape, arr.dtype)
-    before = {v.name: v.sharding for v in variables}
-    epoch = ps.Variable(0, name="epoch")
+    assert jax.process_count() == 1 and len(jax.devices()) == 8
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    params, opt = _model(mesh)  # rows split over "data" (2 ways) of another mesh
     note = ps.Variable(["", ""], name="note")
-    ps.Saver([*variables, epoch, note]).restore(result["path"])
-    assert int(epoch.numpy()) == 7 and note.numpy().tolist() == ["trained", "on 4 devices"]
-    for v in variables:
-        assert v.sharding == before[v.name], (v.name, v.sharding)
+    variables = [*params, *opt.variables, note]
+    shardings = {v.name: v.sharding for v in variables}
+    manager = ps.CheckpointManager(os.path.join(directory, "ckpts"), variables)
+    latest = manager.latest_step
+    assert latest in (2, 4), manager.checkpoints
+    assert manager.restore_latest() is not None
+    expected = dict(np.load(os.path.join(directory, f"expected-{latest}.npz")))
+    assert note.numpy().tolist() == ["trained", "on 2 x 4 devices"]
+    for v in variables[:-1]:
+        assert v.sharding == shardings[v.name], v.name
         np.testing.assert_array_equal(v.numpy(), expected[v.name], err_msg=v.name)
-    w0 = expected["mlp/w0"]
-    np.testing.assert_array_equal(ps.checkpoint.load_variable(result["path"], "mlp/w0"), w0)
-    assert int(opt.iterations.numpy()) == STEPS
-    print("restored", len(variables), "variables")
+    assert int(opt.iterations.numpy()) == latest
+    step = _step_fn(params, opt)
+    loss = float(step(*_batch(mesh)))
+    assert np.isfinite(loss) and int(opt.iterations.numpy()) == latest + 1
+    print(f"resumed from step {latest} on 8 devices; loss {loss:.4f}")
 
 
 # ---------------------------------------------------------------------------- the test
@@ -180,25 +223,28 @@ def _free_port() -> int:
 def _run(procs: list[tuple[subprocess.Popen, Path]], timeout: float) -> list[tuple[int, str]]:
     """Wait for every process, at most ``timeout`` seconds; as soon as one fails (its peer
     would wait for it until JAX's own timeouts), or at the deadline, kill the others.
-    Returns ``(return code, output)`` per process, -9 for a killed one."""
+    Returns ``(return code, output)`` per process."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [p.poll() for p, _ in procs]
-        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+        if all(c is not None for c in codes) or any(c not in (None, 0, -9) for c in codes):
             break
         time.sleep(0.1)
     out = []
     for p, log in procs:
-        if p.poll() is None:
+        timed_out = p.poll() is None
+        if timed_out:
             p.kill()
         rc = p.wait()
         text = log.read_text(errors="replace")
-        out.append((rc, text + ("\n[killed]" if rc == -9 else "")))
+        out.append((rc, text + ("\n[killed by the test: timeout]" if timed_out else "")))
     return out
 
 
 def _spawn(log: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's paramstore
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, __file__, *args], env=env, stdout=f, stderr=subprocess.STDOUT
@@ -207,7 +253,7 @@ def _spawn(log: Path, *args: str) -> tuple[subprocess.Popen, Path]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_save_shards_and_restore_on_another_mesh(tmp_path):
+def test_two_processes_train_fsdp_are_killed_mid_save_and_resume_on_one(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     for attempt in range(2):  # a second try only if the free port was taken meanwhile
         directory = tmp_path / f"run{attempt}"
@@ -218,30 +264,29 @@ def test_two_processes_train_save_shards_and_restore_on_another_mesh(tmp_path):
             for i in range(2)
         ]
         results = _run(procs, WORKER_TIMEOUT)
-        ok = len(results) == 2 and all(rc == 0 for rc, _ in results)
+        ok = all(rc == -signal.SIGKILL for rc, _ in results)  # each killed itself mid-save
         if ok or not any("address already in use" in out.lower() for _, out in results):
             break
     logs = "\n".join(f"--- process (rc {rc}):\n{out[-3000:]}" for rc, out in results)
-    assert ok, f"the training processes failed:\n{logs}"
-    result = json.loads((directory / "result.json").read_text())
-    assert len(result["losses"]) == STEPS and result["losses"][-1] < result["losses"][0]
+    assert ok, f"the training processes did not reach the kill:\n{logs}"
+    losses = json.loads((directory / "losses.json").read_text())
+    assert len(losses) == 4 and losses[-1] < losses[0]
 
-    # each process wrote its own shards (Orbax's per-process OCDBT stores)
-    ckpt = Path(result["path"])
+    # step 2: each process wrote its own shards (Orbax's per-process OCDBT stores) and
+    # its own part of the manifest
+    ckpt = directory / "ckpts" / "ckpt-2"
     stores = sorted(p.name for p in ckpt.rglob("ocdbt.process_*") if p.is_dir())
     assert stores == ["ocdbt.process_0", "ocdbt.process_1"], stores
-    for store in ckpt.rglob("ocdbt.process_*"):
-        assert any(f.is_file() for f in store.rglob("*")), store
+    parts = sorted(p.name for p in (ckpt / "paramstore").iterdir())
+    assert parts == ["metadata", "process_0.json", "process_1.json"], parts
 
-    [(rc, out)] = _run(
-        [_spawn(tmp_path / "restore.log", "restore", str(directory))], WORKER_TIMEOUT
-    )
-    assert rc == 0, f"the restoring process failed (rc {rc}):\n{out[-5000:]}"
-    assert "restored" in out
+    [(rc, out)] = _run([_spawn(tmp_path / "resume.log", "resume", str(directory))], WORKER_TIMEOUT)
+    assert rc == 0, f"the resuming process failed (rc {rc}):\n{out[-5000:]}"
+    assert "resumed from step" in out
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "train":
         train(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
-        restore(sys.argv[2])
+        resume(sys.argv[2])
