@@ -1,8 +1,9 @@
 """Eager per-call cost of ``v.assign_add(d)`` and ``v + 1`` on a 1,000-element float32.
 
 Run: ``python benchmarks/eager.py``. Compares with the same operation on a bare jax.Array
-(the anchor: ``x = x + d``) and on ``tf.Variable`` when TensorFlow is installed. Medians of
-``--repeats`` runs of ``--calls`` calls; ratios to the jax.Array anchor of the same run.
+(the anchor: ``x = x + d``) and on ``tf.Variable`` when TensorFlow is installed. The
+variants take turns in blocks of ``--calls // 10`` calls (``10 * --repeats`` blocks each);
+medians per call; ratios to the jax.Array anchor of the same run.
 Target: eager ``assign_add`` within 1.5x of ``x = x + d``.
 """
 
@@ -21,17 +22,26 @@ import numpy as np
 import paramstore as ps
 
 
-def per_call(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    for _ in range(calls // 10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, timed in blocks of ``calls // 10`` calls
+    that take turns (order alternating), ``10 * repeats`` blocks each: a change of load on a
+    shared machine hits them alike, so their ratios hold."""
+    block = max(calls // 10, 1)
+    for fn in fns.values():
+        for _ in range(block):
             fn()
-        times.append((time.perf_counter() - t0) / calls)
-    jax.block_until_ready(fn())
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(10 * repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(block):
+                fn()
+            times[name].append((time.perf_counter() - t0) / block)
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -48,31 +58,32 @@ def main() -> None:
         return box[0]
 
     v = ps.Variable(np.zeros(1000, np.float32), name="bench")
-    rows: list[tuple[str, float, float]] = []
-    anchor_add = per_call(jax_add, args.calls, args.repeats)
-    anchor_plus = per_call(lambda: box[0] + 1, args.calls, args.repeats)
-    rows.append(("jax.Array: x = x + d / x + 1 [anchor]", anchor_add, anchor_plus))
-    rows.append(
-        (
-            "ps.Variable: v.assign_add(d) / v + 1",
-            per_call(lambda: v.assign_add(d, read_value=False), args.calls, args.repeats),
-            per_call(lambda: v + 1, args.calls, args.repeats),
-        )
-    )
+    adds: dict[str, Callable[[], object]] = {
+        "jax": jax_add,
+        "ps": lambda: v.assign_add(d, read_value=False),
+    }
+    pluses: dict[str, Callable[[], object]] = {"jax": lambda: box[0] + 1, "ps": lambda: v + 1}
     try:
         import tensorflow as tf
 
         tv = tf.Variable(np.zeros(1000, np.float32))
         td = tf.ones(1000)
-        rows.append(
-            (
-                "tf.Variable: v.assign_add(d) / v + 1",
-                per_call(lambda: tv.assign_add(td, read_value=False), args.calls, args.repeats),
-                per_call(lambda: tv + 1, args.calls, args.repeats),
-            )
-        )
+        adds["tf"] = lambda: tv.assign_add(td, read_value=False)
+        pluses["tf"] = lambda: tv + 1
     except ImportError:
-        rows.append(("tf.Variable (TensorFlow not installed)", float("nan"), float("nan")))
+        pass
+    add = interleaved(adds, args.calls, args.repeats)
+    plus = interleaved(pluses, args.calls, args.repeats)
+    anchor_add, anchor_plus = add["jax"], plus["jax"]
+    rows: list[tuple[str, float, float]] = [
+        ("jax.Array: x = x + d / x + 1 [anchor]", add["jax"], plus["jax"]),
+        ("ps.Variable: v.assign_add(d) / v + 1", add["ps"], plus["ps"]),
+        (
+            "tf.Variable: v.assign_add(d) / v + 1",
+            add.get("tf", float("nan")),
+            plus.get("tf", float("nan")),
+        ),
+    ]
 
     threaded = threaded_rows(args.calls, args.repeats)
 

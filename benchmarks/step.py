@@ -5,7 +5,9 @@ Run: ``python benchmarks/step.py`` (``--quick`` for a short run, ``--models disp
 Each variant trains the same MLP with ``optax.adam``; every step is timed two ways:
 * blocking: wait for the loss after every step (latency of one step);
 * async: dispatch all steps, wait once at the end (throughput when dispatch overlaps).
-Each figure is the median over ``--repeats`` runs of ``--steps`` steps; ratios are to the
+The variants are interleaved call by call (async: in blocks of 20 calls), alternating
+their order between ``--repeats`` rounds of a pinned ``--steps`` steps each; each figure
+is the median of the per-call samples, with its interquartile range; ratios are to the
 reference (hand-written ``jax.jit`` over ``(params, opt_state)`` with donation) measured
 in the same run. ``first call`` is trace + compile + one step, against ``jax.jit``'s.
 
@@ -311,34 +313,56 @@ def _block(x: object) -> None:
         x.numpy()  # type: ignore[union-attr]
 
 
+ASYNC_BLOCK = 20  # calls per async sample: dispatch overlaps within a block
+
+
+def _iqr(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+    return q1, statistics.median(xs), q3
+
+
 def time_steps(
     runs: dict[str, Callable[[], object]], steps: int, repeats: int
-) -> dict[str, tuple[float, float]]:
-    """Median seconds per step of each variant: (blocking, async).
+) -> dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]]:
+    """Seconds per step of each variant, (q1, median, q3) blocking and async.
 
-    The variants take turns within every repeat, so a change in machine load affects
-    all of them alike and the ratios stay fair on a shared, noisy machine."""
+    Robust to a noisy shared machine: the variants are interleaved call by call (blocking:
+    each call waits for its loss; async: blocks of ``ASYNC_BLOCK`` calls), in alternating
+    order, for a pinned number of steps, so a change in load hits every variant alike;
+    medians and interquartile ranges of the per-call samples are reported."""
     blocking: dict[str, list[float]] = {name: [] for name in runs}
     asynchronous: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            per_call = getattr(run, "steps_per_call", 1)  # fused variants: many steps a call
-            calls = max(steps // per_call, 3)
-            gc.collect()
-            t0 = time.perf_counter()
-            for _ in range(calls):
+    per_call = {name: getattr(run, "steps_per_call", 1) for name, run in runs.items()}
+    calls = {name: max(steps // n, 3) for name, n in per_call.items()}
+    names = list(runs)
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        gc.collect()
+        for i in range(max(calls.values())):
+            for name in order:
+                if i >= calls[name]:
+                    continue
+                run = runs[name]
+                t0 = time.perf_counter()
                 _block(run())
-            blocking[name].append((time.perf_counter() - t0) / (calls * per_call))
-            t0 = time.perf_counter()
-            loss = None
-            for _ in range(calls):
-                loss = run()
-            _block(loss)
-            asynchronous[name].append((time.perf_counter() - t0) / (calls * per_call))
-    return {
-        name: (statistics.median(blocking[name]), statistics.median(asynchronous[name]))
-        for name in runs
-    }
+                blocking[name].append((time.perf_counter() - t0) / per_call[name])
+        for i in range(max(max(c // ASYNC_BLOCK, 1) for c in calls.values())):
+            for name in order:
+                block = min(ASYNC_BLOCK, calls[name])
+                if i >= max(calls[name] // ASYNC_BLOCK, 1):
+                    continue
+                run = runs[name]
+                t0 = time.perf_counter()
+                loss = None
+                for _ in range(block):
+                    loss = run()
+                _block(loss)
+                asynchronous[name].append((time.perf_counter() - t0) / (block * per_call[name]))
+    return {name: (_iqr(blocking[name]), _iqr(asynchronous[name])) for name in runs}
+
+
+def _spread(q: tuple[float, float, float]) -> str:
+    return f"{q[0] * 1e6:.1f}-{q[2] * 1e6:.1f}"
 
 
 def first_call(build: Variant, cfg: Config) -> float:
@@ -355,6 +379,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
+    parser.add_argument("--no-first-call", action="store_true", help="skip the first-call row")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 20, 3
@@ -363,7 +388,10 @@ def main() -> None:
         cfg = MODELS[key]
         steps = args.steps if key != "compute" else max(args.steps // 4, 10)
         print(f"\n## {cfg.name}: {steps} steps, Adam")
-        print(f"{'variant':38} {'blocking us':>12} {'ratio':>7} {'async us':>10} {'ratio':>7}")
+        print(
+            f"{'variant':38} {'blocking us':>12} {'ratio':>7} {'IQR us':>13} "
+            f"{'async us':>10} {'ratio':>7} {'IQR us':>13}"
+        )
         runs: dict[str, Callable[[], object]] = {}
         for name, build in VARIANTS.items():
             if args.variants and runs and not any(sel in name for sel in args.variants):
@@ -379,9 +407,14 @@ def main() -> None:
             except ImportError as e:
                 print(f"{name:38} skipped ({e.name} not installed)")
         results = time_steps(runs, steps, args.repeats)
-        ref = next(iter(results.values()))
+        ref_b, ref_a = (s[1] for s in next(iter(results.values())))
         for name, (b, a) in results.items():
-            print(f"{name:38} {b * 1e6:12.1f} {b / ref[0]:7.2f} {a * 1e6:10.1f} {a / ref[1]:7.2f}")
+            print(
+                f"{name:38} {b[1] * 1e6:12.1f} {b[1] / ref_b:7.2f} {_spread(b):>13} "
+                f"{a[1] * 1e6:10.1f} {a[1] / ref_a:7.2f} {_spread(a):>13}"
+            )
+        if args.no_first_call:
+            continue
         ratios = []
         for _ in range(args.repeats if not args.quick else 1):
             with ps.VariableStore():

@@ -18,7 +18,10 @@ def unwrap(x: Any) -> Any:
     return x.value() if isinstance(x, ArrayOps) else x
 
 
-def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable, Callable]:
+_Op = Callable[[Any, Any], Any]
+
+
+def _binary(op: _Op) -> tuple[_Op, _Op]:
     def forward(self: Any, other: Any) -> Any:
         return op(self.value(), unwrap(other))
 
@@ -56,8 +59,8 @@ class ArrayOps:
     __le__, _ = _binary(operator.le)
     __gt__, _ = _binary(operator.gt)
     __ge__, _ = _binary(operator.ge)
-    __eq__, _ = _binary(operator.eq)  # type: ignore[assignment]
-    __ne__, _ = _binary(operator.ne)  # type: ignore[assignment]
+    __eq__, _ = _binary(operator.eq)
+    __ne__, _ = _binary(operator.ne)
     del _
 
     def __neg__(self) -> Any:

@@ -23,14 +23,38 @@ import functools
 from typing import Any
 
 import jax
-from jax._src import core as _core
-from jax._src import source_info_util as _source_info
-from jax._src.array import ArrayImpl as _ArrayImpl
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.lax.control_flow import loops as _loops
-from jax._src.lib import xla_client as _xc
-from jax._src.state import discharge as _discharge
-from jax._src.state.types import AbstractRef, WriteEffect
+
+# The tested range (pyproject's `jax>=0.10,<0.11`): the internals below and the while_loop
+# discharge rule registered for the whole process are written against it.
+SUPPORTED = ((0, 10), (0, 11))
+
+
+def check_version(version: str) -> None:
+    """ImportError unless ``version`` (``jax.__version__``) is in the tested range."""
+    try:
+        found = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        found = (-1, -1)
+    if not SUPPORTED[0] <= found < SUPPORTED[1]:
+        lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+        raise ImportError(
+            f"paramstore needs jax >= {lo}, < {hi} (the versions it is tested with: it uses "
+            f"JAX internals that change between releases); found jax {version}. Install a "
+            f"supported one: pip install 'jax>={lo},<{hi}'."
+        )
+
+
+check_version(jax.__version__)
+
+from jax._src import core as _core  # noqa: E402
+from jax._src import source_info_util as _source_info  # noqa: E402
+from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax._src.lax.control_flow import loops as _loops  # noqa: E402
+from jax._src.lib import xla_client as _xc  # noqa: E402
+from jax._src.state import discharge as _discharge  # noqa: E402
+from jax._src.state.types import AbstractRef, WriteEffect  # noqa: E402
 
 __all__ = [
     "ARRAY_TYPE",
@@ -44,6 +68,11 @@ __all__ = [
     "in_trace",
     "pure_jaxpr",
     "put_on_device",
+    "vmap_home",
+    "in_while_cond",
+    "init_program",
+    "in_shard_map",
+    "device_assignment",
 ]
 
 Tracer = jax.core.Tracer
@@ -86,6 +115,59 @@ def ref_in(trace: Any, value: Any) -> Any:
 def tracer_in(trace: Any, const: Any) -> Any:
     """``const`` as a tracer of the staging ``trace``: a constant of its jaxpr."""
     return trace.to_jaxpr_tracer(const, _source_info.current())
+
+
+def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
+    """Where ``value`` can be written to a ref created outside the enclosing ``jax.vmap``
+    bodies: ``(trace, batched)``. ``trace`` is the innermost enclosing trace that is not a
+    vmap's (None when the current trace is not a vmap's: write where you are); ``batched``
+    says that ``value`` varies along one of those vmaps' batch axes (no single value to
+    write). JAX refuses any write to an unbatched ref from a vmap trace, even of a value
+    that does not depend on the batch. The walk stops at ``stop`` (the ref's own trace)."""
+    trace = current_trace()
+    home = None
+    while trace is not stop and isinstance(trace, _batching.BatchTrace):
+        if isinstance(value, _batching.BatchTracer) and value._trace is trace:
+            if value.batch_dim is not None:
+                return None, True
+            value = value.val
+        trace = trace.parent_trace
+        home = trace
+    return home, False
+
+
+def init_program(jaxpr: Any, used_out: list[bool]) -> tuple[Any, list[bool]]:
+    """``jaxpr`` (an open jaxpr) with its constants turned into leading inputs, cut down
+    to the computation of the outputs marked in ``used_out``; and which inputs (constants
+    first) that computation uses."""
+    with_consts = _pe.convert_constvars_jaxpr(jaxpr)
+    return _pe.dce_jaxpr(with_consts, used_out)  # type: ignore[no-any-return]
+
+
+def device_assignment(sharding: Any) -> list[Any]:
+    """The devices of ``sharding`` in its own order (``Sharding._device_assignment``)."""
+    return list(sharding._device_assignment)
+
+
+def _traced_for(stop: Any, what: str) -> bool:
+    trace = current_trace()
+    while trace is not None and trace is not stop and trace is not EVAL:
+        if isinstance(trace, _STAGING):
+            info = trace.frame.debug_info
+            if info is not None and info.traced_for == what:
+                return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def in_while_cond(stop: Any) -> bool:
+    """Whether the current trace, below ``stop``, is a ``lax.while_loop`` condition's."""
+    return _traced_for(stop, "while_cond")
+
+
+def in_shard_map(stop: Any) -> bool:
+    """Whether the current trace, below ``stop``, is a ``jax.shard_map`` body's."""
+    return _traced_for(stop, "shard_map")
 
 
 @functools.lru_cache(maxsize=256)

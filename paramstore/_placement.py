@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from paramstore._context import ctx
+from paramstore._jax import device_assignment
 
 __all__ = [
     "Layouts",
@@ -227,7 +228,7 @@ def replicated(where: Sharding | Mesh) -> Sharding:
         return NamedSharding(where, PartitionSpec())
     if isinstance(where, NamedSharding):
         return NamedSharding(where.mesh, PartitionSpec())
-    devices = list(where._device_assignment)
+    devices = device_assignment(where)
     if len(devices) == 1:
         return SingleDeviceSharding(devices[0])
     return NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())

@@ -41,7 +41,7 @@ class VariableSlice(ArrayOps):
         """The slice's shape; IndexError for an index out of range (JAX would clamp it)."""
         probe = np.broadcast_to(np.empty((), dtype=bool), self._var.shape)  # no memory
         try:
-            return probe[self._index].shape
+            return tuple(probe[self._index].shape)
         except IndexError as e:
             raise IndexError(
                 f"Index {self._index!r} is out of range for variable '{self._var.name}' of "

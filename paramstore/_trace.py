@@ -38,16 +38,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paramstore._context import STATE_LOCK, ctx
+from paramstore._context import ctx
 from paramstore._jax import (
     EVAL,
     Tracer,
     current_trace,
+    in_shard_map,
     in_trace,
+    in_while_cond,
     ref_in,
     staging,
     trace_of,
     tracer_in,
+    vmap_home,
 )
 from paramstore._ownership import ownership
 
@@ -102,21 +105,63 @@ class Frame:
             self.vars[id(var)] = var
 
     def get(self, key: int) -> Any:
-        ref = self.refs.get(key)
-        if ref is not None:
-            return ref[...]
         if current_trace() is self.base:
-            return self.values[key]
-        return self._promote(key)[...]
+            ref = self.refs.get(key)
+            return self.values[key] if ref is None else ref[...]
+        self._check_nested(key, "read")
+        ref = self.refs.get(key)
+        return (ref if ref is not None else self._promote(key))[...]
 
-    def put(self, key: int, value: Any) -> None:
+    def _check_nested(self, key: int, what: str) -> None:
+        if in_shard_map(self.base):
+            var = self.vars.get(key)
+            name = var.name if var is not None else "?"
+            raise TypeError(
+                f"Variable '{name}' was {what} inside a jax.shard_map body, where each "
+                "device sees its own shard and a variable's single value cannot be read or "
+                "written. Pass its value in as an argument of the shard_map "
+                "(v.value()) and assign the result outside the body."
+            )
+
+    def put(self, key: int, value: Any, name: str = "", update: str = "") -> None:
+        """Bind ``value`` (``update``: the name of the op it results from, e.g.
+        ``assign_add``, which reads what it writes)."""
         ref = self.refs.get(key)
         if ref is None:
             if current_trace() is self.base:
                 self.values[key] = value
                 return
             ref = self._promote(key)
-        ref[...] = value
+        self._check_nested(key, "assigned")
+        if in_while_cond(self.base):
+            raise TypeError(
+                f"Variable '{name}' was assigned in a jax.lax.while_loop condition. JAX "
+                "evaluates a condition a number of times of its own choosing while tracing "
+                "and running the loop, so the assign could not happen as often as eager "
+                "code would. Assign it in the loop body (or before the loop) and only read "
+                "variables in the condition."
+            )
+        home, batched = vmap_home(value, self.base)
+        if batched:
+            raise TypeError(
+                f"Variable '{name}' was assigned a value that varies over the batch of an "
+                "enclosing jax.vmap, but a variable holds one value, not one per example. "
+                "Return the per-example values from the vmapped function and assign a "
+                "reduction of them outside it (e.g. v.assign(per_example.mean(axis=0))), or "
+                "vmap over ps.pure(fn, variables) to get one copy of the state per example."
+            )
+        if home is not None and update:
+            raise TypeError(
+                f"Cannot {update} variable '{name}' inside a jax.vmap body: run row by row, "
+                "as eager code would, it would apply once per example, which a vmapped "
+                "body cannot express. Sum the per-example deltas and apply them outside "
+                f"the vmap (v.{update}(deltas.sum(axis=0)))."
+            )
+        if home is None:
+            ref[...] = value
+        else:  # a batch-independent value: written once, in the trace around the vmaps
+            with in_trace(home):
+                ref[...] = value
 
     def _promote(self, key: int) -> Any:
         ref = self.refs[key] = ref_in(self.base, self.values[key])
@@ -181,7 +226,9 @@ def _lookup(stack: list[Frame], i: int, var: Variable, captured: bool = False) -
             frame.capture(var, _lookup(stack, i - 1, var, captured=True))
             return frame.get(key)
         i -= 1
-    return var._value if captured else outside(var)
+    # captured: the array becomes a constant of the trace, so it is handed out (a step in
+    # another thread may not donate it while the trace, which holds no lock, uses it)
+    return ownership.hand_out(var) if captured else outside(var)
 
 
 def outside(var: Variable) -> Any:
@@ -197,9 +244,7 @@ def outside(var: Variable) -> Any:
             "model with its current values as constants, close over ps.state(model) in a "
             "ps.pure function (see docs/state.md)."
         )
-    with STATE_LOCK:  # a step's refcount check then counts this reader
-        ownership.version += 1
-        return var._value
+    return ownership.hand_out(var)
 
 
 def read(var: Variable) -> Any:
@@ -216,7 +261,7 @@ def read(var: Variable) -> Any:
     return _lookup(stack, len(stack) - 1, var)
 
 
-def bind(var: Variable, value: Any) -> bool:
+def bind(var: Variable, value: Any, update: str = "") -> bool:
     """Rebind ``var`` in the innermost frame that owns it. False when no frame is active."""
     stack = ctx.frames
     if not stack:
@@ -240,7 +285,7 @@ def bind(var: Variable, value: Any) -> bool:
                     frame.vars[key] = var
             else:
                 frame.vars[key] = var
-        frame.put(key, value)
+        frame.put(key, value, var.name, update)
         frame.assigned[key] = var
         return True
     return False

@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return loss
 
         @ps.function
-        def evaluate(x: jax.Array, y: jax.Array) -> jax.Array:
+        def evaluate(x: jax.Array | np.ndarray, y: jax.Array | np.ndarray) -> jax.Array:
             test_accuracy.update_state(y, model(x))
             return test_accuracy.result()
 

@@ -43,32 +43,36 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
-import sys
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 import jax.extend as jex
-from jax._src.interpreters import partial_eval as pe
+import jax.numpy as jnp
+from jax.sharding import Sharding
 
 from paramstore import _trace
 from paramstore import sharding as _sharding
-from paramstore._context import STATE_LOCK
-from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, pure_jaxpr, staging
-from paramstore._ownership import ownership, private_copy
+from paramstore._initial import flag
+from paramstore._jax import ARRAY_TYPE, EVAL, current_trace, init_program, pure_jaxpr, staging
+from paramstore._ownership import ownership
 from paramstore._store import default_store
 from paramstore.module import Module
 from paramstore.variable import Variable, VariableSlice
 
-__all__ = ["function", "Function"]
+__all__ = ["function", "Function", "Shardings"]
 
-_get_value = operator.attrgetter("_value")
-# References to an array passed to a call: the variable, our list, getrefcount's argument.
-_OWN_REFS = 3
+P = ParamSpec("P")
+R = TypeVar("R")
+# in_shardings / out_shardings: one Sharding for every array, or a pytree prefix of the
+# positional arguments (of the result) with a Sharding or None (unspecified) at its leaves.
+Shardings = Sharding | None | tuple[Any, ...] | list[Any] | dict[str, Any]
+
 _HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
+_CLOCK = itertools.count()  # ticks for least-recently-used eviction of traces
 
 
 def _is_ref(x: Any) -> bool:
@@ -120,15 +124,15 @@ class _Entry:
         n_leaves: int,
         donate: bool,
         wait: bool,
-        distinct: bool,
+        shared: list[Variable],
     ) -> None:
         self.owner = owner
         self.runner = runner
         self.donated = donated
-        self.donated_ids = frozenset(map(id, donated))
         self.readonly = readonly
         self.assigned = assigned
-        self.assigned_ids = [id(v) for v in assigned]
+        # Variables whose array an output is (or may be) after each call: handed out.
+        self.shared = shared
         self.touches = bool(donated or readonly or assigned)
         self.out_tree = out_tree
         self.one_out = out_tree is not None and out_tree.num_nodes == out_tree.num_leaves == 1
@@ -138,62 +142,26 @@ class _Entry:
         self.donate = donate
         self.wait = wait
         self.n_donated = len(donated)
-        # The state version after this entry's last call, and that call's outputs for the
-        # donated variables and its read-only inputs: while the version is unchanged they
-        # are exactly the next call's inputs, nobody else holds them, so the next call
-        # skips the gather and the reference counts (602 variables: 41 of 58 us per call).
+        # The steady-path cache (see _ownership): the state version after this entry's
+        # last call, and that call's outputs for the donated variables and its read-only
+        # inputs, which are exactly the next call's while the version is unchanged.
+        self.steady = not shared
         self.version = -1
         self.last: tuple[Any, Any] = ((), ())
-        self.distinct = distinct
+        self.tick = next(_CLOCK)  # when last called, for least-recently-used eviction
 
     def __call__(self, leaves: list[Any]) -> Any:
+        self.tick = next(_CLOCK)  # ~40 ns
         trace = current_trace()
         if trace is not EVAL and self.touches and (self.assigned or staging(trace)):
             self._transformed()
         if self.ref_pos:  # Variables/Modules passed as arguments are read, not passed
             leaves = [leaves[i] for i in self.array_pos]
         if self.wait:
-            return self._call_and_wait(leaves)
-        with STATE_LOCK:
-            if ownership.version == self.version and ownership.cached is self:  # nothing written or
-                don, ro = self.last  # handed out since our last call: our own last outputs
-            else:
-                ownership.release_cached()  # no cache may hold references while we count them
-                don = list(map(_get_value, self.donated))
-                if self.donate:
-                    counts = list(map(sys.getrefcount, don))
-                    owners = ownership.unowned
-                    unowned = owners and not self.donated_ids.isdisjoint(owners)
-                    if unowned or max(counts) > _OWN_REFS:  # someone may hold it: a copy
-                        don = [
-                            private_copy(x) if c > _OWN_REFS or id(v) in owners else x
-                            for v, x, c in zip(self.donated, don, counts)
-                        ]
-                ro = list(map(_get_value, self.readonly))
-            new, out = self.runner(don, ro, leaves)
-            if new:
-                ownership.write_many(self.assigned, self.assigned_ids, new)
-            if self.distinct:
-                ownership.release_cached()
-                ownership.cached = self
-                self.last = (new[: self.n_donated], ro)
-                self.version = ownership.version
-            else:  # outputs may share input or variable buffers: handed out, as value() does
-                ownership.version += 1
+            out = ownership.call_and_wait(self, leaves)
+        else:
+            out = ownership.call(self, leaves)
         return out[0] if self.one_out else jax.tree_util.tree_unflatten(self.out_tree, out)
-
-    def _call_and_wait(self, leaves: list[Any]) -> Any:
-        """A program that can raise on the host: no donation, results swapped in only
-        after it finished (the lock is not held while it runs: a callback may read a
-        variable)."""
-        with STATE_LOCK:
-            don = list(map(_get_value, self.donated))
-            ro = list(map(_get_value, self.readonly))
-        new, out = jax.block_until_ready(self.runner(don, ro, leaves))
-        if new:
-            with STATE_LOCK:
-                ownership.write_many(self.assigned, self.assigned_ids, new)
-        return jax.tree_util.tree_unflatten(self.out_tree, out)
 
     def _transformed(self) -> None:
         names = ", ".join(v.name for v in (self.assigned or [*self.donated, *self.readonly]))
@@ -210,23 +178,34 @@ class _Entry:
         return all(r() is leaves[i] for r, i in zip(self.refs, self.ref_pos))
 
 
-class Function:
-    """A compiled stateful function; see the module docstring. ``trace_count`` counts traces."""
+class Function(Generic[P, R]):
+    """A compiled stateful function; see the module docstring. ``trace_count`` counts traces.
+
+    It keeps at most ``max_traces`` traced signatures (each with its compiled program);
+    beyond that the least recently called one is dropped (and traced again if called
+    again). ``clear_cache()`` drops them all."""
+
+    max_traces = 64
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         static_argnums: int | Iterable[int] = (),
         static_argnames: str | Iterable[str] = (),
         donate: bool = True,
+        in_shardings: Shardings = None,
+        out_shardings: Shardings = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"ps.function expects a callable, got {type(fn).__name__}.")
+        flag(donate, "donate", "ps.function")
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._name: str = getattr(fn, "__name__", type(fn).__name__)
         self._donate = bool(donate)
+        self._in_shardings = in_shardings
+        self._out_shardings = out_shardings
         self._static_argnums, self._static_argnames = _static_args(
             fn, static_argnums, static_argnames
         )
@@ -234,12 +213,12 @@ class Function:
         self._fast: dict[tuple[Any, ...], _Entry] = {}  # (n, *avals) of all-array calls
         self._simple = not (self._static_argnums or self._static_argnames)
         self._bound: weakref.ref[Any] | None = None
-        self._instances: dict[int, Function] = {}
+        self._instances: dict[int, Function[..., R]] = {}
         self._lock = threading.RLock()
         self.trace_count = 0
 
     # -- methods: one Function per instance, as tf.function does
-    def __get__(self, instance: Any, owner: Any = None) -> Function:
+    def __get__(self, instance: Any, owner: Any = None) -> Function[..., R]:
         if instance is None:
             return self
         key = id(instance)
@@ -250,6 +229,8 @@ class Function:
                 static_argnums=self._static_argnums,
                 static_argnames=self._static_argnames,
                 donate=self._donate,
+                in_shardings=self._in_shardings,
+                out_shardings=self._out_shardings,
             )
             bound._bound = weakref.ref(instance)
             bound._simple = False  # the instance is passed first: the general path
@@ -257,18 +238,20 @@ class Function:
             weakref.finalize(instance, self._instances.pop, key, None)
         return bound
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Function:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Function[P, R]:
         """A new compiled function of the same Python function (its traces are not shared)."""
         new = Function(
             self._fn,
             static_argnums=self._static_argnums,
             static_argnames=self._static_argnames,
             donate=self._donate,
+            in_shardings=self._in_shardings,
+            out_shardings=self._out_shardings,
         )
         memo[id(self)] = new
         return new
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._simple and not kwargs and not _trace.depth:
             # The common call: arrays only, no static arguments, no frame anywhere. Keyed
             # on the avals alone; the general path below costs ~5 us more per call.
@@ -276,18 +259,49 @@ class Function:
             for a in args:
                 if type(a) is not ARRAY_TYPE:
                     break
-                fast.append(a.aval)
+                fast.append(a.aval)  # type: ignore[attr-defined]
             else:
                 entry = self._fast.get(tuple(fast))
                 if entry is not None:
-                    return entry(list(args))
+                    return entry(list(args))  # type: ignore[no-any-return]
         if self._bound is not None:
             instance = self._bound()
             if instance is None:
                 raise ReferenceError("The object this ps.function method is bound to is gone.")
-            args = (instance, *args)
+            args = (instance, *args)  # type: ignore[assignment]
         if _trace.active():
             return self._fn(*args, **kwargs)  # inside another ps.function or ps.pure: inline
+        entry, leaves, fast_key = self._entry(tuple(args), dict(kwargs))
+        if fast_key is not None:
+            self._fast[fast_key] = entry
+        return entry(leaves)  # type: ignore[no-any-return]
+
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """JAX's ``Lowered`` for the program a call with these arguments runs (its
+        ``as_text()``, ``compile()``, ``cost_analysis()``...), without running it or
+        changing a variable (a first call's trace may still create variables)."""
+        if self._bound is not None:
+            instance = self._bound()
+            if instance is None:
+                raise ReferenceError("The object this ps.function method is bound to is gone.")
+            args = (instance, *args)  # type: ignore[assignment]
+        entry, leaves, _ = self._entry(tuple(args), dict(kwargs))
+        if entry.ref_pos:
+            leaves = [leaves[i] for i in entry.array_pos]
+
+        def spec(v: Variable) -> jax.ShapeDtypeStruct:
+            x = ownership.peek(v)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # type: ignore[no-untyped-call]
+
+        return entry.runner.lower(  # type: ignore[attr-defined]
+            [spec(v) for v in entry.donated], [spec(v) for v in entry.readonly], leaves
+        )
+
+    def _entry(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Entry, list[Any], tuple[Any, ...] | None]:
+        """The traced entry for these arguments (traced now if new), the flat leaves to
+        call it with, and its fast-path key (None when the call does not qualify)."""
         if self._static_argnums or self._static_argnames:
             dyn, static = self._split(args, kwargs)
         else:
@@ -309,10 +323,28 @@ class Function:
             and not entry.ref_pos
             and all(type(a) is ARRAY_TYPE for a in args)
         ):
-            self._fast[(len(args), *(a.aval for a in args))] = entry
-        return entry(leaves)
+            return entry, leaves, (len(args), *(a.aval for a in args))
+        return entry, leaves, None
 
-    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    def clear_cache(self) -> None:
+        """Drop every trace and compiled program of this function (and of its methods'
+        per-instance copies). Variables are untouched; the next call traces again, and
+        creating a variable then is the usual non-first-trace error."""
+        with self._lock:
+            for key in list(self._cache):
+                self._evict(key)
+            for bound in list(self._instances.values()):
+                bound.clear_cache()
+
+    def _evict(self, key: Any) -> None:
+        entry = self._cache.pop(key, None)
+        if entry is None:
+            return
+        for fast_key in [k for k, e in self._fast.items() if e is entry]:
+            del self._fast[fast_key]
+        ownership.drop(entry)
+
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
         nums, names = self._static_argnums, self._static_argnames
         dyn_args = tuple(None if i in nums else a for i, a in enumerate(args))
         dyn_kw = {k: v for k, v in kwargs.items() if k not in names}
@@ -322,7 +354,7 @@ class Function:
         )
         return (dyn_args, dyn_kw), static
 
-    def _unhashable_message(self, static: tuple) -> str:
+    def _unhashable_message(self, static: tuple[Any, ...]) -> str:
         for where, value in [*static[0], *static[1]]:
             try:
                 hash(value)
@@ -336,7 +368,7 @@ class Function:
                 )
         return f"An argument of {self._name}() is unhashable."
 
-    def _merge(self, dyn: Any, static: tuple) -> tuple[list[Any], dict[str, Any]]:
+    def _merge(self, dyn: Any, static: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs = list(dyn[0]), dict(dyn[1])
         if static:
             for i, v in static[0]:
@@ -344,7 +376,9 @@ class Function:
             kwargs.update(static[1])
         return args, kwargs
 
-    def _trace_signature(self, key: Any, leaves: list[Any], treedef: Any, static: tuple) -> _Entry:
+    def _trace_signature(
+        self, key: Any, leaves: list[Any], treedef: Any, static: tuple[Any, ...]
+    ) -> _Entry:
         owner = f"ps.function '{self._name}'"
         frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=self.trace_count == 0)
         ref_pos = [i for i, x in enumerate(leaves) if _is_ref(x)]
@@ -374,18 +408,24 @@ class Function:
                     out_leaves, new, result["assigned"] = [], [], []  # their values
             return out_leaves, new, [x for _, x in frame.created]
 
-        with STATE_LOCK:  # no step may donate an array this trace holds an alias of
-            closed = jax.make_jaxpr(flat)(*arrays)
-            if frame.created:
-                _initialize(closed, frame.created, result.get("error"))
-            if "error" in result:
-                raise result["error"]
-            _sharding.settle_unplaced(
-                result["assigned"], [*(v._value for v, _ in frame.captured.values()), *arrays]
-            )
-            entry = self._lift(closed, frame, result, ref_pos, list(refs.values()), len(leaves))
+        # No lock is held while the body is traced: a captured array is handed out
+        # (_trace), so no step in another thread donates what this trace holds.
+        closed = jax.make_jaxpr(flat)(*arrays)
+        if frame.created:
+            _initialize(closed, frame.created, result.get("error"))
+        if "error" in result:
+            raise result["error"]
+        _sharding.settle_unplaced(
+            result["assigned"],
+            [*(ownership.peek(v) for v, _ in frame.captured.values()), *arrays],
+        )
+        entry = self._lift(
+            closed, frame, result, ref_pos, list(refs.values()), len(leaves), treedef
+        )
         self._cache[key] = entry
         self.trace_count += 1
+        if len(self._cache) > self.max_traces:
+            self._evict(min(self._cache, key=lambda k: self._cache[k].tick))
         return entry
 
     def _lift(
@@ -396,6 +436,7 @@ class Function:
         ref_pos: list[int],
         refs: list[Any],
         n_leaves: int,
+        treedef: Any,
     ) -> _Entry:
         """Turn the variables' constants (and created variables' initial values) into
         inputs; build the runner."""
@@ -456,25 +497,38 @@ class Function:
         # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
         # next call sees the same input shardings (no recompilation) and placement is kept.
         keep = [
-            sh if len(sh.device_set) > 1 else None for sh in (v._value.sharding for v in assigned)
+            sh if len(sh.device_set) > 1 else None
+            for sh in (ownership.peek(v).sharding for v in assigned)
         ]
+
+        # An output that is also a variable's new value or a donated input (`return
+        # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
+        # could never be donated again: the output gets a copy of its own instead (one
+        # copy of the returned value, where sharing cost a copy of the variable per call).
+        new_vars = [outvars[n_out + i] for i in order]
+        own_ids = {id(v) for v in new_vars} | {id(c) for _, c in donated}
+        to_copy = frozenset(i for i, v in enumerate(outvars[:n_out]) if id(v) in own_ids)
 
         def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
             res = fun(*don, *ro, *arrays)
             new = res[n_out:]
-            return [new[i] for i in order], res[:n_out]
+            out = [jnp.copy(x) if i in to_copy else x for i, x in enumerate(res[:n_out])]
+            return [new[i] for i in order], out
 
         wait = _has_host_callback(lifted)
-        # jit forwards an input that is returned unchanged, and may return one buffer for
-        # two equal outputs: then an output (or a second variable) shares a variable's
-        # buffer, and only the reference-count path may donate (see _Entry.last).
-        out_ids = [id(v) for v in outvars if isinstance(v, jex.core.Var)]
-        distinct = len(set(out_ids)) == len(out_ids) and set(out_ids).isdisjoint(map(id, invars))
+        kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
+        shared = _shared(moved, assigned, new_vars, kept)
         donate = self._donate and bool(donated) and not wait
+        arg_sh = self._leaf_shardings(self._in_shardings, treedef, n_leaves, ref_pos, True)
+        out_sh = self._leaf_shardings(self._out_shardings, result["out_tree"], n_out, [], False)
+        has_keep = any(sh is not None for sh in keep)
         runner = jax.jit(
             run,
             donate_argnums=(0,) if donate else (),
-            out_shardings=(keep, None) if any(sh is not None for sh in keep) else None,
+            in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
+            out_shardings=(keep if has_keep else None, out_sh)
+            if has_keep or out_sh is not None
+            else None,
         )
         return _Entry(
             f"ps.function '{self._name}'",
@@ -488,8 +542,50 @@ class Function:
             n_leaves,
             donate,
             wait,
-            distinct,
+            shared,
         )
+
+    def _leaf_shardings(
+        self, spec: Shardings, tree: Any, n: int, skip: list[int], args: bool
+    ) -> list[Any] | None:
+        """``spec`` (``in_shardings``: over the positional arguments; ``out_shardings``:
+        over the result) as one Sharding or None per flat leaf, leaves in ``skip``
+        (Variables/Modules passed as arguments) left out; None for no spec."""
+        if spec is None or tree is None:
+            return None
+        which = "in_shardings" if args else "out_shardings"
+        if isinstance(spec, Sharding):
+            per_leaf: list[Any] = [spec] * n
+        else:
+            example = jax.tree_util.tree_unflatten(tree, list(range(n)))
+            target = example[0] if args else example  # (args, kwargs) for arguments
+            per_leaf = [None] * n
+            is_spec = lambda x: x is None or isinstance(x, Sharding)  # noqa: E731
+            try:
+                pairs = jax.tree_util.tree_map(
+                    lambda sh, sub: [(i, sh) for i in jax.tree_util.tree_leaves(sub)],
+                    spec,
+                    target,
+                    is_leaf=is_spec,
+                )
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    f"{which} of ps.function '{self._name}' must be a Sharding, or a pytree "
+                    "prefix of the "
+                    + ("positional arguments" if args else "result")
+                    + f" with a Sharding or None at each leaf: {e}"
+                ) from None
+            for i, sh in itertools.chain.from_iterable(
+                jax.tree_util.tree_leaves(pairs, is_leaf=lambda x: isinstance(x, list))
+            ):
+                if sh is not None and not isinstance(sh, Sharding):
+                    raise TypeError(
+                        f"{which} of ps.function '{self._name}': expected a "
+                        f"jax.sharding.Sharding or None, got {type(sh).__name__}."
+                    )
+                per_leaf[i] = sh
+        skipped = set(skip)
+        return [sh for i, sh in enumerate(per_leaf) if i not in skipped]
 
     def __repr__(self) -> str:
         return f"<ps.function {getattr(self, '__qualname__', self._fn)!s}>"
@@ -502,14 +598,13 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     jaxpr = closed.jaxpr
     n_out, n_created = len(jaxpr.outvars), len(created)
     names = ", ".join(f"'{v.name}'" for v, _ in created)
-    with_consts = pe.convert_constvars_jaxpr(jaxpr)
     used_out = [False] * (n_out - n_created) + [True] * n_created
-    init, used_in = pe.dce_jaxpr(with_consts, used_out)
+    init, used_in = init_program(jaxpr, used_out)
     n_consts = len(jaxpr.constvars)
     if any(used_in[n_consts:]):
         for var, _ in created:
             default_store()._forget(var)
-            ownership.initial_overrides.pop(id(var), None)
+            ownership.take_initial(var, None)
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "
             "depends on the values of the function's arguments. An initial value may depend "
@@ -521,7 +616,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     # A variable created with a sharding (sharding=, a LayoutMap, axis rules) gets its value
     # from a program compiled with that output sharding: no device holds more than its
     # shards. The others come from a program with no output shardings, as before.
-    shardings = [v._value.sharding for v, _ in created]
+    shardings = [ownership.peek(v).sharding for v, _ in created]
     run = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, []))
     values: list[Any] = [None] * n_created
     placed = [i for i, sh in enumerate(shardings) if sh is not None]
@@ -532,10 +627,36 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
             for i, value in zip(group, program(*consts)):
                 values[i] = value
     for (var, _), value in zip(created, values):
-        override = ownership.initial_overrides.pop(id(var), None)
-        if override is not None and var._value.sharding is not None:
-            override = jax.device_put(override, var._value.sharding)
+        override = ownership.take_initial(var, None)
+        sharding = ownership.peek(var).sharding
+        if override is not None and sharding is not None:
+            override = jax.device_put(override, sharding)
         var._write(value if override is None else override, owned=True)
+
+
+def _shared(
+    moved: list[tuple[Variable, Any]], assigned: list[Variable], new: list[Any], outs: list[Any]
+) -> list[Variable]:
+    """The variables whose array an output of the lifted jaxpr is, or may be, after a call.
+
+    jit forwards an input that is returned unchanged and may return one buffer for two
+    equal outputs (or a cached constant for a literal): then the user, or a second
+    variable, holds that variable's buffer, which must count as handed out. ``moved``:
+    (variable, input var); ``new``: the assigned variables' output vars, in order;
+    ``outs``: the function's own outputs."""
+    counts: dict[int, int] = {}
+    for v in [*new, *outs]:
+        counts[id(v)] = counts.get(id(v), 0) + 1
+    inputs = {id(c) for _, c in moved}
+    shared = [
+        var
+        for var, v in zip(assigned, new)
+        if not isinstance(v, jex.core.Var) or counts[id(v)] > 1 or id(v) in inputs
+    ]
+    returned = {id(v) for v in outs}
+    written = {id(v) for v in assigned}
+    shared += [var for var, c in moved if id(c) in returned and id(var) not in written]
+    return shared
 
 
 def _static_args(
@@ -593,21 +714,57 @@ def _static_args(
     return frozenset(num_set), frozenset(name_set)
 
 
+@overload
 def function(
-    fn: Callable[..., Any] | None = None,
+    fn: Callable[P, R],
     *,
     static_argnums: int | Iterable[int] = (),
     static_argnames: str | Iterable[str] = (),
     donate: bool = True,
-) -> Any:
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+) -> Function[P, R]: ...
+
+
+@overload
+def function(
+    fn: None = None,
+    *,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+    donate: bool = True,
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+) -> Callable[[Callable[P, R]], Function[P, R]]: ...
+
+
+def function(
+    fn: Callable[P, R] | None = None,
+    *,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+    donate: bool = True,
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+) -> Function[P, R] | Callable[[Callable[P, R]], Function[P, R]]:
     """Compile ``fn`` with ``jax.jit``, reading and updating Variables like eager code.
 
     Use as ``@ps.function``, ``@ps.function(static_argnums=...)`` or ``ps.function(fn, ...)``.
+    The result keeps ``fn``'s signature for type checkers (``Function[P, R]``).
+    ``in_shardings`` / ``out_shardings`` go to ``jax.jit`` for the arguments that are not
+    Variables or Modules and for the results: one ``Sharding`` for all, or a pytree prefix
+    of the positional arguments (of the result) with a ``Sharding`` or None (unspecified)
+    at each leaf. Variables keep their own placement.
     """
-    if fn is None:
-        return lambda f: Function(
-            f, static_argnums=static_argnums, static_argnames=static_argnames, donate=donate
+
+    def make(f: Callable[P, R]) -> Function[P, R]:
+        return Function(
+            f,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate=donate,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
         )
-    return Function(
-        fn, static_argnums=static_argnums, static_argnames=static_argnames, donate=donate
-    )
+
+    return make if fn is None else make(fn)

@@ -51,6 +51,7 @@ from jax.typing import ArrayLike, DTypeLike
 from . import random as _psrandom
 
 __all__ = [
+    "resolve",
     "Initializer",
     "zeros",
     "ones",
@@ -76,6 +77,20 @@ class Initializer(Protocol):
     """What every factory in this module returns."""
 
     def __call__(self, shape: Shape, dtype: DTypeLike = jnp.float32) -> jax.Array: ...
+
+
+def resolve(initializer: Any) -> Any:
+    """An initializer given uncalled, as TF1 accepts it (``initializer=zeros`` rather than
+    ``zeros()``), called with no arguments; anything else unchanged. A factory that needs
+    arguments (``constant``) raises TypeError saying to call it."""
+    if initializer is constant:
+        raise TypeError(
+            "initializer=ps.initializers.constant needs its value: pass "
+            "ps.initializers.constant(value)."
+        )
+    if any(initializer is f for f in _FACTORIES):
+        return initializer()
+    return initializer
 
 
 def _shape(shape: Shape) -> tuple[int, ...]:
@@ -255,3 +270,22 @@ def orthogonal(
         return jax.nn.initializers.orthogonal(gain)(k, shape, wide).astype(dtype)
 
     return _random("orthogonal", draw, seed, key, min_rank=2)
+
+
+_FACTORIES = tuple(
+    {
+        zeros,
+        ones,
+        random_normal,
+        random_uniform,
+        truncated_normal,
+        glorot_normal,
+        glorot_uniform,
+        xavier_normal,
+        xavier_uniform,
+        he_normal,
+        he_uniform,
+        lecun_normal,
+        orthogonal,
+    }
+)

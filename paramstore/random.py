@@ -21,6 +21,8 @@ Contract (docs/api.md, "Initializers and randomness"):
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -28,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paramstore import _seed, _trace
 from paramstore._context import STATE_LOCK
@@ -49,6 +52,22 @@ def _check_seed(seed: Any, what: str) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{what} expects an int seed, got {type(seed).__name__}: {seed!r}.")
     return int(seed)
+
+
+def _sample_shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
+    """``shape`` checked before any key is drawn (so a bad one advances no state)."""
+    try:
+        dims = tuple(shape)
+        if any(isinstance(d, bool | np.bool_) for d in dims):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(f"{what}: shape must be a sequence of ints, got {shape!r}.") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{what}: shape {dims} has a negative dimension.")
+    if math.prod(dims) >= 2**62:
+        raise ValueError(f"{what}: shape {dims} has more elements than an array can hold.")
+    return dims
 
 
 def _key_data(seed: int) -> jax.Array:
@@ -76,7 +95,7 @@ class Generator:
         with STATE_LOCK:  # eagerly: read and write as one step
             new, out = jax.random.split(jax.random.wrap_key_data(self.state.value()))
             self.state.assign(jax.random.key_data(new))
-        return out
+        return out  # type: ignore[no-any-return]
 
     def normal(
         self,
@@ -86,7 +105,8 @@ class Generator:
         dtype: Any = jnp.float32,
     ) -> jax.Array:
         """Normal samples of ``shape`` (``mean + stddev * N(0, 1)``)."""
-        return jax.random.normal(self.key(), tuple(shape), dtype) * stddev + mean
+        dims = _sample_shape(shape, "Generator.normal")
+        return jax.random.normal(self.key(), dims, dtype) * stddev + mean
 
     def uniform(
         self,
@@ -96,7 +116,8 @@ class Generator:
         dtype: Any = jnp.float32,
     ) -> jax.Array:
         """Uniform samples of ``shape`` in ``[minval, maxval)``."""
-        return jax.random.uniform(self.key(), tuple(shape), dtype, minval, maxval)
+        dims = _sample_shape(shape, "Generator.uniform")
+        return jax.random.uniform(self.key(), dims, dtype, minval, maxval)
 
     def split(self, count: int) -> list[Generator]:
         """``count`` new, independent generators (advances this one's state once)."""

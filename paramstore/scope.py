@@ -21,9 +21,9 @@ Contract (docs/api.md, "Names, scopes and sharing"), following TensorFlow 1 grap
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ import numpy as np
 from paramstore import initializers as _init
 from paramstore._context import Scope, ctx, prefixed
 from paramstore._dtypes import canonical_dtype
+from paramstore._initial import flag
 from paramstore._store import VariableStore, default_store, preview_names
 from paramstore.variable import Variable
 
@@ -89,12 +90,33 @@ def _absolute_scope(full: str) -> Iterator[None]:
         ctx.scopes = saved
 
 
-@dataclass(frozen=True)
 class VariableScope:
-    """What ``with variable_scope(...) as scope`` gives: its full ``name`` and ``reuse``."""
+    """What ``with variable_scope(...) as scope`` gives: its full ``name`` and ``reuse``;
+    ``scope.reuse_variables()`` turns reuse on for the rest of the block (TF1)."""
 
-    name: str
-    reuse: Any
+    __slots__ = ("name", "reuse", "_entry")
+
+    def __init__(self, name: str, reuse: Any, entry: Scope) -> None:
+        self.name = name
+        self.reuse = reuse
+        self._entry = entry
+
+    def reuse_variables(self) -> None:
+        """From now on in this block, ``get_variable`` returns existing variables (a
+        missing one is an error), as ``reuse=True``; scopes entered later inherit it."""
+        stack = ctx.scopes
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is self._entry:
+                self._entry = stack[i] = Scope(self._entry.name, True, True)
+                self.reuse = True
+                return
+        raise RuntimeError(
+            f"reuse_variables() on variable scope '{self.name}' outside its with-block (or "
+            "from another thread): call it inside the block that entered the scope."
+        )
+
+    def __repr__(self) -> str:
+        return f"VariableScope(name={self.name!r}, reuse={self.reuse!r})"
 
 
 @contextlib.contextmanager
@@ -113,9 +135,10 @@ def variable_scope(name: str, reuse: Any = None) -> Iterator[VariableScope]:
     if outer is AUTO_REUSE and reuse is True:
         effective = True
     stack = ctx.scopes
-    stack.append(Scope(name.strip("/"), True, effective))
+    entry = Scope(name.strip("/"), True, effective)
+    stack.append(entry)
     try:
-        yield VariableScope(prefixed("", variable_scopes_only=True).rstrip("/"), effective)
+        yield VariableScope(prefixed("", variable_scopes_only=True).rstrip("/"), effective, entry)
     finally:
         stack.pop()
 
@@ -141,6 +164,8 @@ def get_variable(
         )
     store = default_store()
     full = prefixed(name, variable_scopes_only=True)
+    trainable = flag(trainable, "trainable", f"get_variable('{full}')")
+    initializer = _init.resolve(initializer)
     reuse = _current_reuse()
     dt = canonical_dtype(dtype, f"variable '{full}'")
     shp = None if shape is None else _as_shape(shape, full)
@@ -154,7 +179,7 @@ def get_variable(
                     "reuse=ps.AUTO_REUSE to get or create."
                 )
             _check_matches(existing, full, shp, dt, initializer)
-            return existing
+            return existing  # type: ignore[no-any-return]
         if existing is not None:
             raise ValueError(
                 f"Variable {full} already exists, disallowed. Did you mean to set reuse=True "
@@ -199,6 +224,8 @@ def _create(
 def _as_shape(shape: Any, full: str) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int | np.integer) else shape
     try:
+        if isinstance(shape, bool | np.bool_) or any(isinstance(d, bool | np.bool_) for d in dims):
+            raise TypeError  # operator.index(True) is 1
         out = tuple(operator.index(d) for d in dims)
     except TypeError:
         raise TypeError(
@@ -206,6 +233,11 @@ def _as_shape(shape: Any, full: str) -> tuple[int, ...]:
         ) from None
     if any(d < 0 for d in out):
         raise ValueError(f"get_variable('{full}'): shape {out} has a negative dimension.")
+    if math.prod(out) >= 2**62:
+        raise ValueError(
+            f"get_variable('{full}'): shape {out} has {math.prod(out):.3g} elements, more "
+            "than an array can hold."
+        )
     return out
 
 

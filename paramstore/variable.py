@@ -43,7 +43,6 @@ Contract (see docs/api.md, "Variables"):
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
@@ -64,7 +63,7 @@ from paramstore._dtypes import (
     strong,
     to_strings,
 )
-from paramstore._initial import broadcasts, fresh
+from paramstore._initial import broadcasts, flag, fresh, utf8
 from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, staging
 from paramstore._layout import check_partition
 from paramstore._ownership import ownership
@@ -81,9 +80,6 @@ _EAGER = {
     "add": (jax.jit(jnp.add), jax.jit(jnp.add, donate_argnums=0)),
     "subtract": (jax.jit(jnp.subtract), jax.jit(jnp.subtract, donate_argnums=0)),
 }
-# References to a variable's array while an update checks it: the variable, the local
-# name, getrefcount's argument.
-_OWN_REFS = 3
 _MISSING = object()
 
 
@@ -124,7 +120,8 @@ class Variable(ArrayOps):
     """A named, stateful array (see the module docstring for the contract)."""
 
     __slots__ = (
-        "_value",
+        "_value",  # the array: read and written by paramstore._ownership only
+        "_given",  # id() of the array last handed out (ownership's record)
         "_name",
         "_trainable",
         "_dtype",
@@ -157,6 +154,8 @@ class Variable(ArrayOps):
             )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"A variable's name must be a str, got {type(name).__name__}.")
+        if trainable is not None:
+            flag(trainable, "trainable", f"ps.Variable({name!r})" if name else "ps.Variable")
         _trace.check_create()
         store = default_store()
         base = None
@@ -189,12 +188,12 @@ class Variable(ArrayOps):
         self._partition = part
         if traced:  # bound in the ps.function trace; its array comes after the trace, made
             _trace.create(self, value)  # by ps.function in a program with this sharding
-            self._value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
+            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)  # type: ignore[no-untyped-call]
+            ownership.adopt(self, placeholder, owned=True)
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
     def _set_fields(self, value: Any, trainable: bool, owned: bool) -> None:
-        self._value = value
-        ownership.mark(self, owned)
+        ownership.adopt(self, value, owned)
         self._trainable = bool(trainable)
         self._is_key = is_key_dtype(value.dtype)  # once: issubdtype costs ~1 us a call
         self._dtype = value.dtype if self._is_key else np.dtype(value.dtype)
@@ -209,9 +208,7 @@ class Variable(ArrayOps):
             return _trace.read(self)
         if current_trace() is not EVAL:
             return _trace.outside(self)
-        with STATE_LOCK:  # a step's refcount check then counts this reader
-            ownership.version += 1
-            return self._value
+        return ownership.hand_out(self)
 
     read_value = value
 
@@ -261,14 +258,15 @@ class Variable(ArrayOps):
     @property
     def sharding(self) -> Any:
         """The value's ``jax.sharding.Sharding`` (None for a string variable)."""
-        return None if self._is_string else self._value.sharding
+        return None if self._is_string else ownership.peek(self).sharding
 
     @property
     def device(self) -> Any:
         """The ``jax.Device`` holding the value; None when sharded over several (or strings)."""
-        if self._is_string or self._value.sharding is None:
+        sharding = None if self._is_string else ownership.peek(self).sharding
+        if sharding is None:
             return None
-        devices = self._value.sharding.device_set
+        devices = sharding.device_set
         return next(iter(devices)) if len(devices) == 1 else None
 
     def ref(self) -> Reference:
@@ -283,7 +281,7 @@ class Variable(ArrayOps):
 
     def __repr__(self) -> str:
         head = f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()}"
-        if isinstance(self._value, jax.ShapeDtypeStruct):
+        if self._pending():
             return f"{head} (initial value being computed)>"
         value = self.value()
         if isinstance(value, Tracer):
@@ -298,6 +296,11 @@ class Variable(ArrayOps):
         text = repr(array.item()) if array.ndim == 0 and not self._is_string else repr(array)
         return f"{head}, numpy={text}>"
 
+    def _pending(self) -> bool:
+        """Whether the initial value is still being computed (created inside the first
+        trace of a ``ps.function`` from a traced value, until that trace completes)."""
+        return isinstance(ownership.peek(self), jax.ShapeDtypeStruct)
+
     def _dtype_name(self) -> str:
         return "string" if self._is_string else str(self._dtype)
 
@@ -306,9 +309,9 @@ class Variable(ArrayOps):
         """An independent copy: same value, dtype, shape and trainable flag; a new unique
         name (this one's, numbered) in the current default store."""
         with STATE_LOCK:  # copied before any step can donate it
-            value = self._value
+            value = ownership.peek(self)
             if not self._is_string:
-                value = jnp.array(value, copy=True)  # type: ignore[assignment]
+                value = jnp.array(value, copy=True)
         new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
         memo[id(self)] = new
         return new
@@ -354,22 +357,15 @@ class Variable(ArrayOps):
             raise shape_error(self._name, self._shape, tuple(d.shape))
         if _trace.depth and _trace.active():  # traced: plain jnp ops, no nested jit
             op = jnp.add if how == "add" else jnp.subtract
-            self._swap(op(self.value(), d))
+            self._swap(op(self.value(), d), update=f"assign_{how[:3]}")
             return
         if current_trace() is not EVAL:
             raise _traced_context_error(self._name)
+        if type(d) is not np.ndarray and d.committed:
+            d = self._colocated(d)
+        # The result lands where the variable's array is: no placement check.
         fresh, donating = _EAGER[how]
-        with STATE_LOCK:
-            x = self._value
-            if type(d) is not np.ndarray and d.committed:
-                d = self._colocated(d)
-            # The result lands where the variable's array is: no placement check.
-            if sys.getrefcount(x) <= _OWN_REFS and id(self) not in ownership.unowned:
-                new = donating(x, d)
-            else:
-                new = fresh(x, d)
-            del x
-            self._write(new, owned=True)  # our own update's result
+        ownership.update(self, fresh, donating, d)
 
     def _check_arithmetic(self, what: str) -> None:
         if self._is_string:
@@ -392,7 +388,7 @@ class Variable(ArrayOps):
             isinstance(x, jax.Array)
             and not isinstance(x, Tracer)
             and x.committed  # an uncommitted array goes wherever the variable's is
-            and x.sharding.device_set != self._value.sharding.device_set
+            and x.sharding.device_set != ownership.peek(self).sharding.device_set
         ):
             return np.asarray(x)
         return x
@@ -413,7 +409,7 @@ class Variable(ArrayOps):
                     f"'{self._name}': a variable's dtype never changes; convert the values "
                     "to str explicitly."
                 )
-            return to_strings(arr)
+            return to_strings(utf8(arr, self._name))
         if self._is_key:
             if not (isinstance(value, jax.Array) and value.dtype == dst):
                 got = getattr(value, "dtype", type(value).__name__)
@@ -457,15 +453,16 @@ class Variable(ArrayOps):
         arr = arr.astype(dst)  # a copy, converted by NumPy the same way on every path
         return arr if host else jnp.asarray(arr)
 
-    def _swap(self, new: Any, placed: bool = False, owned: bool = True) -> None:
-        """Make ``new`` (checked by the caller) the value: in the active frame, or for real."""
-        if _trace.depth and _trace.bind(self, new):
+    def _swap(self, new: Any, placed: bool = False, owned: bool = True, update: str = "") -> None:
+        """Make ``new`` (checked by the caller) the value: in the active frame, or for real
+        (``update``: the op, e.g. ``assign_add``, when ``new`` is computed from the value)."""
+        if _trace.depth and _trace.bind(self, new, update):
             return
         trace = current_trace()
         if isinstance(new, Tracer) or trace is not EVAL and staging(trace):
             raise _traced_context_error(self._name)
         if not (placed or self._is_string):
-            old = self._value.sharding
+            old = ownership.peek(self).sharding
             if new.sharding != old:
                 new = jax.device_put(new, old)
         self._write(new, owned)
@@ -483,7 +480,7 @@ class _Detached(Variable):
     __slots__ = ()
 
     def value(self) -> Any:
-        return self._value
+        return ownership.peek(self)  # a pytree leaf (often a tracer), never donated
 
     read_value = value
 
@@ -536,14 +533,18 @@ class _Abstract(Variable):
     __copy__ = __deepcopy__
 
     def __repr__(self) -> str:
-        where = "" if self._value.sharding is None else f" sharding={self._value.sharding}"
+        where = (
+            ""
+            if ownership.peek(self).sharding is None
+            else f" sharding={ownership.peek(self).sharding}"
+        )
         return (
             f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()} "
             f"abstract{where}>"
         )
 
     def _write(self, new: Any, owned: bool = False) -> None:
-        want = self._value.sharding
+        want = ownership.peek(self).sharding
         if want is not None and getattr(new, "sharding", want) != want:
             new = jax.device_put(new, want)
         with STATE_LOCK:
@@ -574,8 +575,8 @@ def set_initial_value(var: Variable, value: Any, *, owned: bool | None = None) -
         raise shape_error(var.name, var.shape, tuple(new.shape))
     if owned is None:
         owned = fresh(value, new)
-    if not abstract and isinstance(var._value, jax.ShapeDtypeStruct):
-        ownership.initial_overrides[id(var)] = new
+    if not abstract and var._pending():
+        ownership.initial(var, new)
     else:
         var._write(new, owned=owned)
 

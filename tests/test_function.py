@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import paramstore as ps
+from paramstore._ownership import ownership
 
 
 @pytest.fixture(autouse=True)
@@ -420,10 +421,10 @@ def test_assigned_buffers_are_donated_and_updated_in_place():
         v.assign_add(1.0)
 
     step()
-    ptr = v.value().unsafe_buffer_pointer()
+    ptr = ownership.peek(v).unsafe_buffer_pointer()  # looked at, not handed out
     for _ in range(3):
         step()
-    assert v.value().unsafe_buffer_pointer() == ptr
+    assert ownership.peek(v).unsafe_buffer_pointer() == ptr
     assert float(v.numpy()[0]) == 4.0
 
 
@@ -452,9 +453,9 @@ def test_only_the_held_array_is_copied_before_donation():
 
     step()
     held = a.value()
-    ptr_b = b.value().unsafe_buffer_pointer()
+    ptr_b = ownership.peek(b).unsafe_buffer_pointer()
     step()
-    assert b.value().unsafe_buffer_pointer() == ptr_b  # b still updated in place
+    assert ownership.peek(b).unsafe_buffer_pointer() == ptr_b  # b still updated in place
     np.testing.assert_array_equal(held, np.ones(64))  # a's old array survived
     np.testing.assert_array_equal(a.numpy(), np.full(64, 2.0))
 
@@ -513,3 +514,150 @@ def test_importing_paramstore_does_not_start_the_xla_backend():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------------------ the trace cache
+
+
+def test_the_trace_cache_is_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr(ps.Function, "max_traces", 3)
+    v = ps.Variable(jnp.zeros(()))
+
+    @ps.function
+    def f(x):
+        v.assign_add(x.sum())
+        return x
+
+    for n in (1, 2, 3):
+        f(jnp.ones(n))
+    assert f.trace_count == 3
+    f(jnp.ones(1))  # now 2 is the least recently used
+    f(jnp.ones(4))  # evicts 2
+    assert f.trace_count == 4 and len(f._cache) == 3
+    f(jnp.ones(1))
+    f(jnp.ones(3))
+    assert f.trace_count == 4  # still kept
+    f(jnp.ones(2))
+    assert f.trace_count == 5  # traced again
+    assert float(v.numpy()) == 1 + 2 + 3 + 1 + 4 + 1 + 3 + 2
+
+
+def test_clear_cache_drops_every_trace_and_keeps_the_variables():
+    v = ps.Variable(jnp.zeros(3))
+
+    @ps.function
+    def step(x):
+        v.assign_add(x)
+
+    step(jnp.ones(3))
+    step(jnp.ones(3))
+    step.clear_cache()
+    assert step._cache == {} and step._fast == {}
+    np.testing.assert_array_equal(v.numpy(), np.full(3, 2.0))
+    step(jnp.ones(3))  # traces again
+    assert step.trace_count == 2
+    np.testing.assert_array_equal(v.numpy(), np.full(3, 3.0))
+
+    @ps.function
+    def make(x):
+        return ps.Variable(jnp.zeros(2)).value() + x
+
+    make(1.0)
+    make.clear_cache()
+    with pytest.raises(ValueError, match="non-first trace"):
+        make(1.0)
+
+
+def test_clear_cache_on_a_method_clears_every_instance():
+    class Counter(ps.Module):
+        def __init__(self):
+            self.n = ps.Variable(0.0)
+
+        @ps.function
+        def bump(self):
+            self.n.assign_add(1.0)
+
+    a, b = Counter(), Counter()
+    a.bump()
+    b.bump()
+    Counter.bump.clear_cache()
+    assert a.bump.trace_count == 1 and a.bump._cache == {}
+    a.bump()
+    assert float(a.n) == 2.0 and a.bump.trace_count == 2
+
+
+# ------------------------------------------------- shardings, lower, shard_map, typing
+
+
+def test_in_and_out_shardings_go_to_jit_for_arrays():
+    dev = jax.devices()[0]
+    one = jax.sharding.SingleDeviceSharding(dev)
+    v = ps.Variable(jnp.zeros(3))
+
+    @ps.function(in_shardings=(one, None), out_shardings={"y": one})
+    def f(x, z):
+        v.assign_add(x)
+        return {"y": x * 2 + z}
+
+    out = f(np.ones(3, np.float32), jnp.ones(3))
+    assert out["y"].sharding == one
+    np.testing.assert_array_equal(out["y"], np.full(3, 3.0))
+    np.testing.assert_array_equal(v.numpy(), np.ones(3))
+    g = ps.function(lambda x: x + v, in_shardings=one, out_shardings=one)
+    assert g(jnp.ones(3)).sharding == one
+
+
+def test_bad_shardings_are_clear_errors():
+    v = ps.Variable(jnp.zeros(3))
+    f = ps.function(lambda x: v.assign_add(x, read_value=False), in_shardings=("not",))
+    with pytest.raises(TypeError, match=r"in_shardings of ps.function '<lambda>'.*got str"):
+        f(jnp.ones(3))
+    np.testing.assert_array_equal(v.numpy(), np.zeros(3))
+
+
+def test_lower_returns_the_lowered_program_without_running_it():
+    v = ps.Variable(jnp.zeros(4))
+
+    @ps.function
+    def step(x):
+        v.assign_add(x)
+        return x.sum()
+
+    step(jnp.ones(4))
+    before = ownership.peek(v)
+    lowered = step.lower(jnp.ones(4))
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert "add" in lowered.as_text()
+    assert ownership.peek(v) is before and not before.is_deleted()
+    np.testing.assert_array_equal(v.numpy(), np.ones(4))
+    compiled = lowered.compile()
+    assert compiled is not None and step.trace_count == 1
+
+
+def test_a_variable_inside_a_shard_map_body_is_a_clear_error():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    spec = jax.sharding.PartitionSpec()
+    v = ps.Variable(jnp.ones(2), name="w")
+
+    @ps.function
+    def read(x):
+        return jax.shard_map(lambda a: a * v.value(), mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+    @ps.function
+    def write(x):
+        def body(a):
+            v.assign(a)
+            return a
+
+        return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+    for f, what in ((read, "read"), (write, "assigned")):
+        with pytest.raises(TypeError, match=rf"'w' was {what} inside a jax.shard_map body.*value"):
+            f(jnp.full(2, 3.0))
+        np.testing.assert_array_equal(v.numpy(), np.ones(2))
+    ok = ps.function(
+        lambda x: jax.shard_map(lambda a, w: a * w, mesh=mesh, in_specs=spec, out_specs=spec)(
+            x, v.value()
+        )
+    )
+    np.testing.assert_array_equal(ok(jnp.full(2, 3.0)), np.full(2, 3.0))

@@ -413,3 +413,78 @@ def test_bad_generator_arguments(make, error, message, _fresh_store):
     with pytest.raises(ValueError):
         g.split(-1)
     np.testing.assert_array_equal(g.state.numpy(), state)
+
+
+# ------------------------------------------------------------------------ vmap bodies
+
+
+def test_an_unbatched_assign_inside_a_vmap_body_matches_eager():
+    def per_row(w, r):
+        w.assign(jnp.maximum(w.value(), 2.0))
+        return r * w.value()
+
+    def run(w, x):
+        return jax.vmap(lambda r: per_row(w, r))(x)
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    eager_w = ps.Variable(jnp.array([1.0, 3.0, 0.5]))
+    eager = jnp.stack([per_row(eager_w, r) for r in x])  # row by row
+    w = ps.Variable(jnp.array([1.0, 3.0, 0.5]))
+    out = ps.function(lambda x: run(w, x))(x)
+    np.testing.assert_array_equal(out, eager)
+    np.testing.assert_array_equal(w.numpy(), eager_w.numpy())
+    # nested in a scan body too
+    w2 = ps.Variable(jnp.array([1.0, 3.0, 0.5]))
+    out2 = ps.function(lambda x: jax.lax.scan(lambda c, r: (c, run(w2, r[None])[0]), 0, x)[1])(x)
+    np.testing.assert_array_equal(out2, eager)
+    np.testing.assert_array_equal(w2.numpy(), eager_w.numpy())
+
+
+@pytest.mark.parametrize("op", ["assign", "assign_add"])
+def test_assigning_a_batched_value_inside_vmap_is_a_clear_error(op):
+    w = ps.Variable(jnp.zeros(3), name="acc")
+
+    @ps.function
+    def f(x):
+        return jax.vmap(lambda r: getattr(w, op)(r) and r)(x)
+
+    with pytest.raises(TypeError, match=r"'acc'.*varies over the batch.*outside"):
+        f(jnp.ones((4, 3)))
+    np.testing.assert_array_equal(w.numpy(), np.zeros(3))
+
+
+def test_assign_add_inside_a_vmap_body_is_a_clear_error():
+    n = ps.Variable(0.0, name="count")
+
+    @ps.function
+    def f(x):
+        def row(r):
+            n.assign_add(1.0)
+            return r
+
+        return jax.vmap(row)(x)
+
+    with pytest.raises(TypeError, match=r"assign_add variable 'count' inside a jax.vmap.*sum"):
+        f(jnp.ones((4, 3)))
+    assert float(n) == 0.0
+
+
+def test_an_assign_in_a_while_loop_condition_is_a_clear_error():
+    n = ps.Variable(0.0, name="evaluations")
+    i = ps.Variable(0.0, name="i")
+
+    def cond(_):
+        n.assign_add(1.0)
+        return i.value() < 3
+
+    def body(c):
+        i.assign_add(1.0)
+        return c
+
+    f = ps.function(lambda: jax.lax.while_loop(cond, body, 0))
+    with pytest.raises(TypeError, match=r"'evaluations' was assigned in a jax.lax.while_loop cond"):
+        f()
+    assert float(n) == 0.0 and float(i) == 0.0
+    with pytest.raises(TypeError):  # eagerly too: an assign inside a JAX trace
+        jax.lax.while_loop(cond, body, 0)
+    assert float(n) == 0.0 and float(i) == 0.0
