@@ -443,3 +443,60 @@ def test_extra_arguments_reach_every_block_eagerly_and_compiled():
     # masked keys (positions 3, 4) do not change the first query's output
     x2 = x.at[:, 3:].set(5.0)
     np.testing.assert_allclose(r(x2, mask, causal=True)[:, 0], eager[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def _made(build):
+    """The stacked variables (name -> value) a fresh Repeat gets from ``build(r)``."""
+    ps.random.set_seed(0)
+    with ps.VariableStore():
+        r = ps.nn.Repeat(Block, 3)
+        build(r)
+        assert r.built
+        return r, {v.name: np.asarray(v.numpy()) for v in r.variables}
+
+
+def test_build_creates_what_the_first_call_creates():
+    _, lazy = _made(lambda r: r(_x((5, D))))
+    built_r, built = _made(lambda r: r.build((None, D)))
+    assert sorted(built) == sorted(lazy)
+    for name in lazy:
+        np.testing.assert_array_equal(built[name], lazy[name])
+    # then calling it creates nothing more and gives what the lazily built one gives
+    with ps.VariableStore():
+        ps.random.set_seed(0)
+        again = ps.nn.Repeat(Block, 3)
+        y_lazy = again(_x((5, D)))
+        before = [v.name for v in again.variables]
+    y = built_r(_x((5, D)))
+    assert [v.name for v in built_r.variables] == before
+    np.testing.assert_allclose(y, y_lazy, rtol=1e-6)
+
+
+def test_sequential_build_builds_the_repeat_inside():
+    seq = ps.nn.Sequential([ps.nn.Dense(D), ps.nn.Repeat(Block, 2), ps.nn.Dense(3)])
+    seq.build((None, 4))
+    rep = seq.layers[1]
+    assert rep.built and {v.shape for v in rep.stacked.values()} >= {(2, D, D), (2, D)}
+    names = sorted(v.name for v in seq.variables)
+    assert seq(jnp.ones((2, 4))).shape == (2, 3)
+    assert sorted(v.name for v in seq.variables) == names  # the call created nothing
+
+
+def test_build_with_a_contradicting_shape_raises_and_changes_nothing(fresh_store):
+    r = ps.nn.Repeat(Block, 2)
+    r.build((None, D))
+    values = _values(r)
+    for shape in [(None, D + 1), (None, 3, D)]:
+        _nothing_created(fresh_store, lambda s=shape: r.build(s), ValueError, "was built for")
+    _nothing_created(fresh_store, lambda: r(_x((2, D + 1))), ValueError, "was built for")
+    for k, v in _values(r).items():
+        np.testing.assert_array_equal(v, values[k])
+    r.build((4, D))  # a compatible shape is fine: nothing rebuilt
+    assert [v.name for v in fresh_store.variables()] == [v.name for v in r.variables]
+
+
+def test_build_needs_the_inner_axes_and_a_shape(fresh_store):
+    r = ps.nn.Repeat(Block, 2)
+    _nothing_created(fresh_store, lambda: r.build((None, None, D)), ValueError, "every axis")
+    _nothing_created(fresh_store, lambda: r.build("x"), TypeError, "input shape")
+    assert not r.built

@@ -14,6 +14,7 @@ Contract (docs/api.md, "Layers"; docs/guides/repeat.md):
   concrete initial value is copied into every layer, except a ``ps.random.Generator``'s
   state, which is split per layer (``fold_in(key, i)``), so each layer draws its own
   stream. Nothing is created in the real store before every check passed.
+* ``repeat.build(input_shape)`` does the first call's build on zeros of that shape.
 * ``repeat(x, *args, training=None, **kwargs)`` runs ``lax.scan`` over the stacked
   values: the body binds the template's variables to the current layer's slices (a
   binding frame, as ``ps.pure``) and calls ``block(x, *args, **kwargs)`` (with
@@ -38,7 +39,6 @@ Contract (docs/api.md, "Layers"; docs/guides/repeat.md):
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +51,7 @@ from paramstore._jax import EVAL, current_trace, in_trace
 from paramstore._store import VariableStore
 from paramstore.function import function
 from paramstore.module import Module
-from paramstore.nn._base import Layer
+from paramstore.nn._base import Layer, Shape
 from paramstore.nn._repeat_layout import (
     all_variables,
     attribute_paths,
@@ -62,45 +62,11 @@ from paramstore.nn._repeat_layout import (
     stacked_sharding,
     unstack_state,
 )
+from paramstore.nn._repeat_template import Template, describe, learn
 from paramstore.remat import checkpoint_policy
 from paramstore.variable import Variable
 
 __all__ = ["Repeat"]
-
-
-def _takes_training(fn: Callable[..., Any]) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return "training" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _probe(x: Any) -> Any:
-    """A concrete stand-in (zeros) for an array argument, so the template runs eagerly."""
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return np.zeros(np.shape(x), x.dtype)
-    return x
-
-
-def _describe(block: Any) -> str:
-    if isinstance(block, Module):
-        return f"{type(block).__name__} '{block.scope_name}'"
-    return f"{type(block).__name__} {block!r:.60}"
-
-
-class _Template:
-    """The block ``make_block()`` returned and its per-block variables (kept out of every
-    store the user sees, and out of Module/Checkpoint traversal: not a Module)."""
-
-    def __init__(self, block: Any, store: VariableStore, inits: dict[str, Any]) -> None:
-        self.block = block
-        self.store = store
-        self.inits = inits
-        self.tvars: list[Variable] = []  # aligned with Repeat._order
-        self.takes_training = _takes_training(block)
-        self.compiled: Any = None  # the eager path's ps.function
-        self.others: dict[Any, tuple[list[Variable], list[Variable]]] = {}  # Repeat._others
 
 
 class Repeat(Layer):
@@ -145,57 +111,15 @@ class Repeat(Layer):
                 f"{type(block).__name__}, which is not callable. It must return a layer or "
                 "a Module with __call__(x, ...) returning an array shaped like x."
             )
-        self._template = _Template(block, store, dict(inits))
+        self._template = Template(block, store, dict(inits))
         self._order: list[str] = []
         self._in_shape: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ building
-    def _learn(self, x: Any, args: tuple, kwargs: dict) -> list[Variable]:
-        """Run the template eagerly (twice) on zeros shaped like the inputs; return its
-        variables. Raises, creating nothing real, if the block is unfit for a scan."""
-        t = self._template
-        me = f"Repeat '{self.scope_name}'"
-        what = _describe(t.block)
-        probe, p_args, p_kwargs = jax.tree_util.tree_map(_probe, (x, args, kwargs))
-        if t.takes_training:
-            p_kwargs = {**p_kwargs, "training": False}
-        with t.store, _seed.recording() as inits, _trace.no_frames(), in_trace(EVAL):
-            y = t.block(probe, *p_args, **p_kwargs)
-            before = set(map(id, t.store.variables()))
-            y2 = t.block(probe, *p_args, **p_kwargs)
-            after = t.store.variables()
-        t.inits.update(inits)
-        found = t.store.variables()
-        if not found:
-            raise ValueError(
-                f"{me}: the block {what} created no variables on its first call, so there "
-                "is nothing to stack. A block without variables needs no Repeat: call it "
-                "in a Python loop; otherwise make its variables in __init__ or on its first "
-                "call."
-            )
-        new = [v.name for v in after if id(v) not in before]
-        if new:
-            raise ValueError(
-                f"{me}: the block {what} created different variables on its second call "
-                f"({new}) than on its first. A repeated block must create its variables once "
-                "(in __init__ or on its first call, e.g. `if self.w is None: ...`)."
-            )
-        for out in (y, y2):
-            out = out.value() if isinstance(out, Variable) else out
-            if np.shape(out) != np.shape(probe) or jnp.result_type(out) != probe.dtype:
-                raise ValueError(
-                    f"{me}: the block {what} maps an input of shape {np.shape(probe)} and "
-                    f"dtype {probe.dtype} to an output of shape {np.shape(out)} and dtype "
-                    f"{jnp.result_type(out)}, but the blocks are chained through a lax.scan "
-                    "whose carry keeps its shape and dtype. Make the block return an array "
-                    "like its input (project outside the Repeat, or use a residual block)."
-                )
-        return found
-
     def _build_stacked(self, x: Any, args: tuple, kwargs: dict) -> None:
         t = self._template
         _trace.check_create()  # a later ps.function trace: the usual error, nothing run
-        found = self._learn(x, args, kwargs)
+        found = learn(t, f"Repeat '{self.scope_name}'", x, args, kwargs)
         paths = attribute_paths(t.block)
         streams = {id(g.state) for g in generators(t.block)}
         own = f"{t.block.scope_name}/" if isinstance(t.block, Module) else ""
@@ -226,6 +150,37 @@ class Repeat(Layer):
         self.stacked = made  # one assignment: a pending ps.Checkpoint restore sees it all
         self.built = True
 
+    def build(self, input_shape: Shape) -> None:
+        """Create the stacked variables as a first call on inputs of ``input_shape`` would
+        (same names, shapes, initial values): the template runs on zeros of that shape
+        (a ``None`` first axis counts as 1) and the default float dtype. A block whose call
+        needs more than the input (a mask, a flag) is built by calling the Repeat."""
+        if any(d is None for d in input_shape[1:]):
+            raise ValueError(
+                f"Repeat '{self.scope_name}'.build needs every axis but the first known (the "
+                f"template block runs on zeros of that shape), got {tuple(input_shape)}. "
+                "Pass a shape such as (None, 16, 64)."
+            )
+        dims = tuple(1 if d is None else d for d in input_shape)
+        self._build_stacked(jnp.zeros(dims), (), {})
+
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The blocks keep their input's shape, so the Repeat does too."""
+        return tuple(input_shape)
+
+    def check_built(self, *shapes: Shape | None) -> None:
+        """Raise if a built Repeat gets inputs of another rank or last axis."""
+        new = shapes[0] if shapes else None
+        old = self._in_shape
+        if new is None or old is None:
+            return
+        if len(new) != len(old) or (new[-1] is not None and new[-1] != old[-1]):
+            raise ValueError(
+                f"Repeat '{self.scope_name}' was built for inputs of shape {old} (rank and "
+                f"last axis), got {tuple(new)}. Pass inputs like the first one, or use a "
+                "new Repeat."
+            )
+
     # ------------------------------------------------------------------ calling
     def __call__(self, x: Any, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
         if isinstance(x, Variable):
@@ -233,11 +188,8 @@ class Repeat(Layer):
         x = jnp.asarray(x)
         if not self.built:
             self._build_stacked(x, args, kwargs)
-        elif x.ndim != len(self._in_shape or ()) or x.shape[-1:] != (self._in_shape or ())[-1:]:
-            raise ValueError(
-                f"Repeat '{self.scope_name}' was built for inputs of shape {self._in_shape} "
-                f"(rank and last axis), got {tuple(x.shape)}. Pass inputs like the first one."
-            )
+        else:
+            self.check_built(tuple(x.shape))
         if not _trace.active() and current_trace() is EVAL:
             return self._eager(x, args, kwargs, training)
         return self._scan(x, args, kwargs, training)
@@ -302,14 +254,14 @@ class Repeat(Layer):
         except ValueError as e:
             if str(e).startswith(_trace.NON_FIRST_TRACE):
                 raise ValueError(
-                    f"{me}: the block {_describe(t.block)} created a variable after its first "
+                    f"{me}: the block {describe(t.block)} created a variable after its first "
                     "call. A repeated block must create its variables once (in __init__ or "
                     "on its first call)."
                 ) from None
             raise
         if jnp.shape(y) != jnp.shape(h) or jnp.result_type(y) != jnp.result_type(h):
             raise ValueError(
-                f"{me}: the block {_describe(t.block)} returned shape {jnp.shape(y)} dtype "
+                f"{me}: the block {describe(t.block)} returned shape {jnp.shape(y)} dtype "
                 f"{jnp.result_type(y)} for an input of shape {jnp.shape(h)} dtype "
                 f"{jnp.result_type(h)}; a scan's carry keeps its shape and dtype."
             )
