@@ -43,6 +43,7 @@ __all__ = [
     "initializer_of",
     "forget",
     "spread",
+    "Joint",
 ]
 
 Make = Callable[[], Any]
@@ -123,6 +124,28 @@ def run_sharded(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> 
 
 
 # ----------------------------------------------- initializers of abstract variables
+
+
+class Joint:
+    """The initializer of one of several variables whose values are computed together
+    from other variables' values (an optimizer's slots: ``tx.init(params)``).
+
+    ``compute()`` returns the values of all of them (a list); this variable's is
+    ``compute()[index]``. ``reads`` are the variables ``compute`` reads: they must be
+    concrete when it runs, so ``ps.initialize`` runs joint initializers last, once per
+    ``compute``, after the plain ones of the same call.
+    """
+
+    __slots__ = ("compute", "index", "reads")
+
+    def __init__(self, compute: Callable[[], list[Any]], index: int, reads: Sequence[Any]):
+        self.compute = compute
+        self.index = index
+        self.reads = list(reads)
+
+    def __call__(self) -> Any:
+        return self.compute()[self.index]
+
 
 # id(variable) -> (weak reference to it, its initializer); an entry whose variable died (or
 # whose id was reused) is ignored and dropped.

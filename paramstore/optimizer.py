@@ -39,6 +39,9 @@ Contract (docs/api.md, "Optimizers"):
   counter, incremented by each ``apply_gradients``) first. An Optimizer is a
   ``ps.Module``: held as an attribute of another Module, its state is part of that
   module's ``variables``.
+* Over abstract variables (``ps.abstract()``) the state is abstract too, same names and
+  shardings (``paramstore._optim_abstract``): a checkpoint restore or ``ps.initialize``
+  makes it concrete (docs/sharding.md, "Abstract models").
 * ``opt.apply_gradients(grads, **extra_args)``: ``grads`` has the structure of
   ``variables``, as ``ps.grad(fn, variables)`` returns it (a list or tuple for a list or
   tuple, a dict with the same keys for a dict, a tuple for a Module, a list of tuples for
@@ -66,6 +69,7 @@ Contract (docs/api.md, "Optimizers"):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,6 +78,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from paramstore import _abstract
+from paramstore._optim_abstract import abstract_state, any_abstract, defer_init
 from paramstore._optim_grads import Targets
 from paramstore._optim_slots import hyperparam_leaves, replicated_like, slot_names, state_sharding
 from paramstore._placement import unplaced
@@ -163,16 +169,21 @@ class Optimizer(Module):
         self._jit_compile = bool(jit_compile)
         first = next(v for v, o in zip(targets.variables, targets.optimized) if o)
         replicated = replicated_like(first.sharding)
+        abstract = any_abstract(targets)  # then the state is abstract too: shapes only,
+        # traced outside compile-time evaluation (which would compute the zeros)
+        init_state = abstract_state(tx, targets) if abstract else None
         with jax.ensure_compile_time_eval():  # concrete even in a ps.function's first trace
             zero = jnp.zeros((), jnp.int32)
-            init_state = tx.init(targets.params())
+            if init_state is None:
+                init_state = tx.init(targets.params())
             path_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(init_state)
             paths = [p for p, _ in path_leaves]
-            leaves = [_as_state_array(p, leaf) for p, leaf in path_leaves]
+            leaves = [leaf if abstract else _as_state_array(p, leaf) for p, leaf in path_leaves]
         names, owners = slot_names(paths, [a.shape for a in leaves], targets.param_keys())
-        with unplaced():  # each slot exactly where its variable is, whatever ps.device says
+        # each slot exactly where its variable is, whatever ps.device says
+        with unplaced(), _abstract.abstract() if abstract else contextlib.nullcontext():
             self._iterations = Variable(
-                zero,
+                _zero_int32 if abstract else zero,  # abstract: an initializer, no array held
                 trainable=False,
                 name="iterations",
                 sharding=state_sharding(None, zero, replicated),
@@ -183,6 +194,8 @@ class Optimizer(Module):
                 )
                 for arr, slot, owner in zip(leaves, names, owners)
             ]
+        if abstract:
+            defer_init(tx, targets, self._state_variables)
         # checkpoint keys: a slot under its parameter's path, never its position
         self._state_keys: list[Key] = [
             slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
@@ -352,6 +365,10 @@ class Optimizer(Module):
             f"variables, {len(self._state_variables)} state variables, "
             f"iterations={self._iterations.value()!s}>"
         )
+
+
+def _zero_int32() -> jax.Array:
+    return jnp.zeros((), jnp.int32)
 
 
 def _as_state_array(path: Any, leaf: Any) -> jax.Array:

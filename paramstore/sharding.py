@@ -201,16 +201,24 @@ def initialize(variables: Any) -> list[Variable]:
     eager creation would give). Concrete variables are left alone. Returns the variables
     it initialized. A variable made abstract from a shape only (``ps.Variable(
     jax.ShapeDtypeStruct(...))``) has no initializer: then ``ValueError`` naming it, and no
-    variable changes; restore a checkpoint into it instead."""
+    variable changes; restore a checkpoint into it instead. The state of an optimizer
+    built over abstract variables is computed last, by ``tx.init`` on its parameters'
+    values: they must be concrete by then or initialized by this same call (else
+    ``ValueError`` naming both, and no variable changes)."""
     if _trace.active():
         raise RuntimeError(
             "ps.initialize creates the variables' arrays; call it outside ps.function, "
             "ps.pure and the gradient functions."
         )
     todo = [v for v in variables_of(variables) if v.is_abstract]
+    plain: list[Variable] = []
     makes = []
+    joint: list[tuple[Variable, _abstract.Joint]] = []
     for v in todo:
         _, make = _abstract.initializer_of(v)
+        if isinstance(make, _abstract.Joint):
+            joint.append((v, make))
+            continue
         if make is None:
             raise ValueError(
                 f"Variable '{v.name}' is abstract with no initializer (it was made from a "
@@ -218,11 +226,13 @@ def initialize(variables: Any) -> list[Variable]:
                 "ps.initialize cannot give it a value. Restore a checkpoint into it, or "
                 "create it with an initializer."
             )
+        plain.append(v)
         makes.append(make)
-    placed = [i for i, v in enumerate(todo) if v.sharding is not None]
-    free = [i for i, v in enumerate(todo) if v.sharding is None]
+    _check_reads(joint, {id(v) for v in plain})
+    placed = [i for i, v in enumerate(plain) if v.sharding is not None]
+    free = [i for i, v in enumerate(plain) if v.sharding is None]
     values: dict[int, Any] = {}
-    for group, shardings in ((placed, [todo[i].sharding for i in placed]), (free, None)):
+    for group, shardings in ((placed, [plain[i].sharding for i in placed]), (free, None)):
         if not group:
             continue
         got = (
@@ -231,6 +241,25 @@ def initialize(variables: Any) -> list[Variable]:
             else jax.jit(lambda group=group: [makes[i]() for i in group])()
         )
         values.update(zip(group, got))
-    for i, v in enumerate(todo):
+    for i, v in enumerate(plain):
         set_initial_value(v, values[i], owned=True)
+    computed: dict[int, list[Any]] = {}  # each joint computation once (all an optimizer's slots)
+    for v, j in joint:
+        if id(j.compute) not in computed:
+            computed[id(j.compute)] = j.compute()
+        set_initial_value(v, computed[id(j.compute)][j.index])
     return todo
+
+
+def _check_reads(joint: list[tuple[Variable, _abstract.Joint]], initialized: set[int]) -> None:
+    """Raise, before anything changes, if a joint initializer reads a variable that stays
+    abstract (not initialized by this call)."""
+    for v, j in joint:
+        for r in j.reads:
+            if r.is_abstract and id(r) not in initialized:
+                raise ValueError(
+                    f"Variable '{v.name}' is initialized from the value of '{r.name}', which is "
+                    "abstract and not initialized by this call, so ps.initialize cannot give "
+                    f"'{v.name}' a value. Restore or initialize '{r.name}' first, or pass both "
+                    "(ps.initialize([model, optimizer]))."
+                )

@@ -85,7 +85,7 @@ def test_every_use_of_an_abstract_variable_is_a_clear_error(fresh_store):
         "step": step,
         "ps.state": lambda: ps.state([v]),
         "deepcopy": lambda: copy.deepcopy(v),
-        "optimizer": lambda: ps.Optimizer(optax.sgd(0.1), [v]),
+        "optimizer step": lambda: ps.Optimizer(optax.sgd(0.1), [v]).apply_gradients([jnp.ones(2)]),
         "pytree": lambda: jax.tree_util.tree_leaves(v),
     }
     for what, use in uses.items():
@@ -93,7 +93,8 @@ def test_every_use_of_an_abstract_variable_is_a_clear_error(fresh_store):
             use()
         assert v.is_abstract, what
     assert not hasattr(v, "no_such_attribute")  # AttributeError, not the abstract error
-    assert sorted(x.name for x in fresh_store.variables()) == ["v"]
+    # the optimizer's own state is abstract too (see the optimizer tests below)
+    assert sorted(x.name for x in fresh_store.variables()) == ["optimizer/iterations", "v"]
 
 
 def test_initialize_runs_the_initializers_with_the_eager_values(fresh_store):
@@ -162,3 +163,68 @@ def test_abstract_initializer_error_is_reported_with_its_cause(fresh_store):
         ps.Variable(ps.initializers.orthogonal(), shape=(3,), name="o")
     assert isinstance(e.value.__cause__, ValueError)
     assert fresh_store.variables() == []
+
+
+def _abstract_model_and_adam():
+    with ps.abstract():
+        model = ps.nn.Sequential([ps.nn.Dense(4), ps.nn.Dense(2)])
+        model.build((None, 3))
+        opt = ps.Optimizer(optax.adam(1e-2), model)
+    return model, opt
+
+
+def test_optimizer_over_an_abstract_model_has_abstract_state_shaped_like_optax(fresh_store):
+    live = len(jax.live_arrays())
+    model, opt = _abstract_model_and_adam()
+    assert all(v.is_abstract for v in opt.variables) and opt.iterations.is_abstract
+    assert len(jax.live_arrays()) == live  # nothing allocated
+    shapes = {v.name: v.shape for v in model.variables}
+    slots = {v.name: (v.shape, v.dtype) for v in opt.variables}
+    assert slots["optimizer/iterations"] == ((), np.int32)
+    assert slots["optimizer/count"] == ((), np.int32)
+    for name, shape in shapes.items():
+        assert slots[f"optimizer/{name}/mu"] == (shape, np.float32)
+        assert slots[f"optimizer/{name}/nu"] == (shape, np.float32)
+
+
+def test_initialize_model_and_optimizer_gives_the_state_of_a_concrete_optimizer(fresh_store):
+    model, opt = _abstract_model_and_adam()
+    assert len(ps.initialize([model, opt])) == len(model.variables) + len(opt.variables)
+    want = optax.adam(1e-2).init(tuple(v.value() for v in model.trainable_variables))
+    assert not any(v.is_abstract for v in opt.variables)
+    assert [v.numpy().tolist() for v in opt.variables[1:]] == [
+        np.asarray(a).tolist() for a in jax.tree_util.tree_leaves(want)
+    ]
+    assert int(opt.iterations.numpy()) == 0
+    # then it trains
+    x = jnp.ones((2, 3))
+    loss = lambda: jnp.mean(model(x) ** 2)  # noqa: E731
+    before = loss()
+    for _ in range(3):
+        opt.apply_gradients(ps.grad(loss, model)())
+    assert int(opt.iterations.numpy()) == 3 and loss() < before
+    # the model first, the optimizer in a second call
+    model2, opt2 = _abstract_model_and_adam()
+    ps.initialize(model2)
+    ps.initialize(opt2)
+    assert not any(v.is_abstract for v in opt2.variables)
+    assert all(np.all(v.numpy() == 0) for v in opt2.variables)
+
+
+def test_optimizer_state_cannot_be_initialized_before_its_parameters(fresh_store):
+    model, opt = _abstract_model_and_adam()
+    with pytest.raises(ValueError, match=r"'optimizer/.*' is initialized from .* 'dense.*abstract"):
+        ps.initialize(opt)
+    assert all(v.is_abstract for v in [*model.variables, *opt.variables])  # nothing changed
+
+
+def test_using_the_optimizer_before_restore_is_the_abstract_error(fresh_store):
+    model, opt = _abstract_model_and_adam()
+    grads = tuple(jnp.zeros(v.shape) for v in model.trainable_variables)
+    for use in (lambda: opt.apply_gradients(grads), lambda: opt.iterations.numpy()):
+        with pytest.raises(ValueError, match=ABSTRACT.format(r"[\w/]+")):
+            use()
+    assert all(v.is_abstract for v in [*model.variables, *opt.variables])  # nothing changed
+    ps.initialize([model, opt])
+    opt.apply_gradients(grads)
+    assert int(opt.iterations.numpy()) == 1

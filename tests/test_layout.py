@@ -498,6 +498,51 @@ def check_abstract_model_with_layouts_initializes_as_one_sharded_program():
     np.testing.assert_array_equal(k.numpy(), value)
 
 
+@check
+def check_abstract_model_and_optimizer_restored_from_a_checkpoint_equal_the_original():
+    import tempfile
+
+    mesh = auto_mesh((4, 2), ("data", "model"))
+    lm = _tp_layout(mesh)
+
+    def make():
+        with ps.device(lm):
+            model = ps.nn.Sequential([ps.nn.Dense(8, name="dense"), ps.nn.Dense(4, name="dense_1")])
+            model.build((None, 8))
+        return model, ps.Optimizer(optax.adam(1e-2), model, name="adam")
+
+    def step(model, opt, x):
+        loss, grads = ps.value_and_grad(lambda: jnp.mean(model(x) ** 2), model)()
+        opt.apply_gradients(grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(1), (8, 8))
+    with ps.VariableStore():
+        model, opt = make()
+        step(model, opt, x)  # moments and count not zero
+        want = {v.name: (v.numpy(), v.sharding) for v in [*model.variables, *opt.variables]}
+        path = tempfile.mkdtemp() + "/ckpt"
+        ps.Checkpoint(model=model, optimizer=opt).save(path)
+    with ps.VariableStore(), ps.abstract():
+        model, opt = make()
+    assert all(v.is_abstract for v in [*model.variables, *opt.variables])
+    kernel = opt.variables[[v.name for v in opt.variables].index("adam/dense/kernel/mu")]
+    assert kernel.sharding == NamedSharding(mesh, P("data", "model"))  # like its parameter
+    assert opt.iterations.sharding == NamedSharding(mesh, P())
+    ps.Checkpoint(model=model, optimizer=opt).restore(path)
+    got = [*model.variables, *opt.variables]
+    assert sorted(v.name for v in got) == sorted(want)
+    for v in got:
+        assert not v.is_abstract and v.sharding == want[v.name][1], v.name
+        np.testing.assert_array_equal(v.numpy(), want[v.name][0])
+    assert int(opt.iterations.numpy()) == 1
+    before = model.variables[0].numpy()
+    step(model, opt, x)
+    assert int(opt.iterations.numpy()) == 2 and not np.allclose(model.variables[0].numpy(), before)
+    for v in [*model.variables, *opt.variables]:
+        assert v.sharding == want[v.name][1], v.name  # the step keeps every placement
+
+
 def _run_checks(out: str) -> None:
     results: dict[str, str] = {}
     for name, fn in CHECKS.items():
