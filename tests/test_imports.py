@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("variable", ["variable", "_array_ops", "_initial", "_slice", "_creation"]),
     ("scopes and modules", ["scope", "_traverse", "module", "initializers", "random", "_collect"]),
     ("functional core", ["functional", "remat"]),
-    ("compiled functions", ["function", "sharding"]),
+    ("compiled functions", ["function", "_function_*", "sharding"]),
     (
         "training",
         ["optimizer", "_optim_*", "nn", "nn.*", "summary", "_summary", "metrics", "_display"],
