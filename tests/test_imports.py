@@ -444,8 +444,6 @@ def test_lower_layers_never_import_higher_ones(package_imports):
 # Reads of a variable's array in modules other helpers own, to move to ownership.peek (issue
 # 15); the count may only go down.
 LEGACY_READS = {
-    "paramstore/sharding.py": 2,
-    "paramstore/_checkpoint_saver.py": 1,
     "paramstore/_optim_slots.py": 1,
 }
 
