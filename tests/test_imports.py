@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "helpers",
         ["_context", "_jax", "_dtypes", "_placement", "_store", "_seed", "_ownership", "_trace"],
     ),
-    ("variable", ["variable", "_array_ops", "_initial", "_slice", "_creation"]),
+    ("variable", ["variable", "_variable_*", "_array_ops", "_initial", "_slice", "_creation"]),
     ("scopes and modules", ["scope", "_traverse", "module", "initializers", "random", "_collect"]),
     ("functional core", ["functional", "remat"]),
     ("compiled functions", ["function", "_function_*", "sharding"]),
