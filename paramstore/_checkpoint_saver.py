@@ -31,6 +31,7 @@ from paramstore._format import (
     is_string,
     lacks_variables,
 )
+from paramstore._ownership import ownership
 from paramstore._safetensors import check_name
 from paramstore.scope import default_store
 from paramstore.variable import Variable, set_initial_value
@@ -245,7 +246,7 @@ def _assign_all(
             and value.dtype == v.dtype
             and not value.weak_type
             and value.shape == v.shape
-            and value.sharding == v._value.sharding
+            and value.sharding == ownership.peek(v).sharding
         ):
             v._write(value)  # what assign ends in for this value (not owned: it was given)
         else:

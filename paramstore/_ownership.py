@@ -59,7 +59,7 @@ class Holder(Protocol):
 
 
 class Step(Protocol):
-    """What ``ownership`` needs of one compiled program (``function._Entry``)."""
+    """What ``ownership`` needs of one compiled program (``_function_entry.Entry``)."""
 
     runner: Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], Any]]
     donated: list[Any]  # variables read and assigned, their old buffers donated

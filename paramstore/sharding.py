@@ -54,6 +54,7 @@ from paramstore import _abstract, _trace
 from paramstore._abstract import abstract
 from paramstore._collect import variables_of
 from paramstore._layout import Layout, LayoutMap, Partition, axis_rules
+from paramstore._ownership import ownership
 from paramstore._placement import (
     check_fits,
     current_placement,
@@ -109,7 +110,7 @@ def settle_unplaced(assigned: Iterable[Any], inputs: Iterable[Any]) -> None:
         return
     home = replicated(max(committed, key=lambda sh: len(sh.device_set)))
     for v in assigned:
-        x = v._value
+        x = ownership.peek(v)
         if isinstance(x, jax.Array) and not getattr(x, "committed", True):
             v._write(jax.device_put(x, home))
 
@@ -132,7 +133,7 @@ def reshard(
             "and the gradient functions."
         )
     targets = plan(variables_of(variables), sharding)
-    moved = [(v, jax.device_put(v._value, sh)) for v, sh in targets]  # all, then write
+    moved = [(v, jax.device_put(ownership.peek(v), sh)) for v, sh in targets]  # all, then write
     for v, value in moved:
         v._write(value)
 

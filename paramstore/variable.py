@@ -39,57 +39,36 @@ Contract (see docs/api.md, "Variables"):
   ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``).
   ``set_initial_value`` is the one way to make an abstract variable concrete with a given
   array (checkpoint restores call it, and ``ps.initialize``).
+
+The class is built in three steps, one job each: ``_variable_read.Reads`` (reading, the
+properties, ``repr``), ``_variable_write.Writes`` (assigns, conversions, the one write path)
+and ``Variable`` here (creation, copies, the detached and abstract kinds, pytree registration).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore import _abstract, _html, _trace
-from paramstore._array_ops import ArrayOps, unwrap
+from paramstore import _abstract, _trace
 from paramstore._context import STATE_LOCK, prefixed
 from paramstore._creation import abstract_value, created, shaped
-from paramstore._dtypes import (
-    STRING,
-    dtype_error,
-    is_key_dtype,
-    is_text,
-    lossless,
-    shape_error,
-    strong,
-    to_strings,
-)
-from paramstore._initial import broadcasts, flag, fresh, utf8
-from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, staging
+from paramstore._dtypes import STRING, is_key_dtype, shape_error
+from paramstore._initial import flag, fresh
+from paramstore._jax import Tracer
 from paramstore._layout import check_partition
 from paramstore._ownership import ownership
 from paramstore._placement import place
 from paramstore._slice import VariableSlice
 from paramstore._store import default_store
+from paramstore._variable_write import Writes
 
 __all__ = ["Variable", "VariableSlice", "Reference", "set_initial_value"]
 
-# Eager updates call these directly: jit's C++ dispatch skips jnp's Python argument checks.
-# An owned buffer that nobody else holds is donated into the update (issue figures: a
-# donated add runs at 0.65-0.73x of `x = x + d`, a fresh one at 1.10-1.34x).
-_EAGER = {
-    "add": (jax.jit(jnp.add), jax.jit(jnp.add, donate_argnums=0)),
-    "subtract": (jax.jit(jnp.subtract), jax.jit(jnp.subtract, donate_argnums=0)),
-}
 _MISSING = object()
-
-
-def _traced_context_error(name: str) -> TypeError:
-    return TypeError(
-        f"Cannot assign to variable '{name}' from inside a plain JAX transformation "
-        "(jax.jit, jax.grad, jax.vmap, lax control flow ...): the variable would hold a "
-        "leaked tracer, or the assign would run once at trace time only. Decorate the "
-        "function with @ps.function, or make it pure with ps.pure(fn, variables)."
-    )
 
 
 # ------------------------------------------------------------------------------ Variable
@@ -116,7 +95,7 @@ class Reference:
         return f"<Reference to {self._var!r}>"
 
 
-class Variable(ArrayOps):
+class Variable(Writes):
     """A named, stateful array (see the module docstring for the contract)."""
 
     __slots__ = (
@@ -201,108 +180,12 @@ class Variable(ArrayOps):
         self._is_string = self._dtype == STRING
         self._arith = not (self._is_key or self._is_string or self._dtype.kind == "b")
 
-    # -- reading
-    def value(self) -> Any:
-        """The current array (inside ``ps.function`` / ``ps.pure``, the traced value)."""
-        if _trace.depth:
-            return _trace.read(self)
-        if current_trace() is not EVAL:
-            return _trace.outside(self)
-        return ownership.hand_out(self)
-
-    read_value = value
-
-    def numpy(self) -> np.ndarray:
-        """A NumPy copy of the current value (a key variable's key data)."""
-        value = self.value()
-        if self._is_key:
-            value = jax.random.key_data(value)
-        return np.array(value, copy=True)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def trainable(self) -> bool:
-        return self._trainable
-
-    @property
-    def dtype(self) -> Any:
-        """A ``np.dtype`` (a JAX key dtype for a key variable)."""
-        return self._dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def ndim(self) -> int:
-        return len(self._shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64))
-
-    @property
-    def partition(self) -> tuple[Any, ...] | None:
-        """The logical axis names given as ``partition=`` (one per dimension), or None."""
-        return getattr(self, "_partition", None)
-
-    @property
-    def is_abstract(self) -> bool:
-        """Whether the variable has a shape, dtype and sharding but no value yet
-        (created inside ``ps.abstract()``; restore or ``ps.initialize`` it)."""
-        return False
-
-    @property
-    def sharding(self) -> Any:
-        """The value's ``jax.sharding.Sharding`` (None for a string variable)."""
-        return None if self._is_string else ownership.peek(self).sharding
-
-    @property
-    def device(self) -> Any:
-        """The ``jax.Device`` holding the value; None when sharded over several (or strings)."""
-        sharding = None if self._is_string else ownership.peek(self).sharding
-        if sharding is None:
-            return None
-        devices = sharding.device_set
-        return next(iter(devices)) if len(devices) == 1 else None
-
     def ref(self) -> Reference:
         """A hashable reference to this variable."""
         return Reference(self)
 
     def __getitem__(self, index: Any) -> VariableSlice:
         return VariableSlice(self, index)
-
-    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_html.py)
-        return _html.variable_html(self)
-
-    def __repr__(self) -> str:
-        head = f"<ps.Variable '{self._name}' shape={self._shape} dtype={self._dtype_name()}"
-        if self._pending():
-            return f"{head} (initial value being computed)>"
-        value = self.value()
-        if isinstance(value, Tracer):
-            return f"{head} (traced)>"
-        if not getattr(value, "is_fully_addressable", True) and not value.is_fully_replicated:
-            # sharded over several processes: no process can show the whole value
-            return f"{head}, sharded over {len(value.sharding.device_set)} devices>"
-        if self._is_key:
-            return f"{head}, key_data={np.asarray(jax.random.key_data(value))!r}>"
-        array = np.asarray(value)
-        # As TensorFlow: a 0-d value prints as the Python scalar (numpy=1.5, not array(1.5, ...)).
-        text = repr(array.item()) if array.ndim == 0 and not self._is_string else repr(array)
-        return f"{head}, numpy={text}>"
-
-    def _pending(self) -> bool:
-        """Whether the initial value is still being computed (created inside the first
-        trace of a ``ps.function`` from a traced value, until that trace completes)."""
-        return isinstance(ownership.peek(self), jax.ShapeDtypeStruct)
-
-    def _dtype_name(self) -> str:
-        return "string" if self._is_string else str(self._dtype)
 
     # -- copies
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
@@ -324,153 +207,6 @@ class Variable(ArrayOps):
             "a pickle runs code). Save values with ps.Saver or ps.Checkpoint, or copy a "
             "variable in memory with copy.deepcopy."
         )
-
-    # -- writing
-    def assign(self, value: Any, read_value: bool = True) -> Variable | None:
-        """Replace the value. Raises ValueError (shape) or TypeError (dtype); then no change."""
-        new = self._coerce(value, "assign")
-        if new.shape != self._shape:
-            raise shape_error(self._name, self._shape, tuple(new.shape))
-        self._swap(new, owned=fresh(value, new))
-        return self if read_value else None
-
-    def assign_add(self, delta: Any, read_value: bool = True) -> Variable | None:
-        """``self += delta`` atomically (delta broadcasts to the variable's shape)."""
-        self._update(delta, "add")
-        return self if read_value else None
-
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Variable | None:
-        """``self -= delta`` atomically (delta broadcasts to the variable's shape)."""
-        self._update(delta, "subtract")
-        return self if read_value else None
-
-    def _update(self, delta: Any, how: str) -> None:
-        if self._arith and type(delta) is ARRAY_TYPE and delta.dtype == self._dtype:
-            # The common eager case, a strong jax.Array of the variable's dtype: the checks
-            # that apply are below (its shape; weak types and other dtypes take _coerce).
-            # Measured: assign_add on 1,000 float32 13.4 -> 11.x us (2026-11-22).
-            d = delta if not delta.weak_type else self._coerce(delta, how, host=True)
-        else:
-            self._check_arithmetic(how)
-            d = self._coerce(delta, how, host=True)
-        if d.shape != self._shape and not broadcasts(d.shape, self._shape):
-            raise shape_error(self._name, self._shape, tuple(d.shape))
-        if _trace.depth and _trace.active():  # traced: plain jnp ops, no nested jit
-            op = jnp.add if how == "add" else jnp.subtract
-            self._swap(op(self.value(), d), update=f"assign_{how[:3]}")
-            return
-        if current_trace() is not EVAL:
-            raise _traced_context_error(self._name)
-        if type(d) is not np.ndarray and d.committed:
-            d = self._colocated(d)
-        # The result lands where the variable's array is: no placement check.
-        fresh, donating = _EAGER[how]
-        ownership.update(self, fresh, donating, d)
-
-    def _check_arithmetic(self, what: str) -> None:
-        if self._is_string:
-            raise TypeError(f"Cannot {what} on string variable '{self._name}'.")
-        if self._is_key:
-            raise TypeError(
-                f"Cannot {what} on PRNG key variable '{self._name}': key variables only "
-                "support assign (of a key of the same type)."
-            )
-        if self._dtype.kind == "b":
-            raise TypeError(
-                f"Cannot {what} on bool variable '{self._name}' (as in TensorFlow, bool "
-                "variables only support assign)."
-            )
-
-    def _colocated(self, x: Any) -> Any:
-        """``x`` usable with this variable's array in one eager op: an array committed to
-        other devices goes through the host (jit would refuse to mix the two)."""
-        if (
-            isinstance(x, jax.Array)
-            and not isinstance(x, Tracer)
-            and x.committed  # an uncommitted array goes wherever the variable's is
-            and x.sharding.device_set != ownership.peek(self).sharding.device_set
-        ):
-            return np.asarray(x)
-        return x
-
-    def _coerce(self, value: Any, op: str, *, host: bool = False) -> Any:
-        """``value`` as an array of this variable's dtype, or TypeError (no change made).
-
-        A jax.Array (or tracer) stays one, without a weak type. Python and NumPy values
-        become a jax.Array or, with ``host``, a private NumPy copy (for an update op, which
-        moves it to the device itself, and more cheaply)."""
-        value = unwrap(value)
-        dst = self._dtype
-        if self._is_string:
-            arr = value if isinstance(value, np.ndarray) else np.asarray(value)
-            if not is_text(arr):
-                raise TypeError(
-                    f"Cannot {op} a value of dtype {arr.dtype.name} to string variable "
-                    f"'{self._name}': a variable's dtype never changes; convert the values "
-                    "to str explicitly."
-                )
-            return to_strings(utf8(arr, self._name))
-        if self._is_key:
-            if not (isinstance(value, jax.Array) and value.dtype == dst):
-                got = getattr(value, "dtype", type(value).__name__)
-                raise TypeError(
-                    f"Cannot {op} a value of dtype {got} to PRNG key variable '{self._name}' "
-                    f"of dtype {dst}: assign a key array of the same type (jax.random.key)."
-                )
-            return value
-        if isinstance(value, jax.Array):  # also tracers
-            if value.dtype != dst and is_key_dtype(value.dtype):
-                raise TypeError(
-                    f"Cannot {op} a PRNG key array (dtype {value.dtype}) to variable "
-                    f"'{self._name}' of dtype {dst.name}: store its key data "
-                    "(jax.random.key_data(key)), or hold keys in a key variable "
-                    "(ps.Variable(jax.random.key(0)))."
-                )
-            if value.dtype != dst and not lossless(np.dtype(value.dtype), dst, value.weak_type):
-                raise dtype_error(self._name, value.dtype, dst, op)
-            return value.astype(dst) if value.dtype != dst else strong(value)
-        if isinstance(value, (np.ndarray, np.generic)):
-            if value.dtype != dst and not lossless(value.dtype, dst, weak=False):
-                raise dtype_error(self._name, value.dtype, dst, op)
-            arr = np.array(value, dtype=dst, copy=True)
-            return arr if host else jnp.asarray(arr)
-        try:
-            arr = np.asarray(value)
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"Cannot {op} {type(value).__name__} to variable '{self._name}': {e}."
-            ) from None
-        src = arr.dtype if arr.dtype.kind not in "iu" else np.dtype(np.int64)
-        if arr.dtype.kind in "USOT" or not lossless(src, dst, weak=True):
-            raise dtype_error(self._name, arr.dtype, dst, op, python_value=value)
-        if dst.kind in "iu" and arr.size:
-            info = np.iinfo(dst)
-            if arr.min() < info.min or arr.max() > info.max:
-                raise TypeError(
-                    f"Cannot {op} {value!r} to variable '{self._name}' of dtype {dst.name}: "
-                    f"out of range [{info.min}, {info.max}]."
-                )
-        arr = arr.astype(dst)  # a copy, converted by NumPy the same way on every path
-        return arr if host else jnp.asarray(arr)
-
-    def _swap(self, new: Any, placed: bool = False, owned: bool = True, update: str = "") -> None:
-        """Make ``new`` (checked by the caller) the value: in the active frame, or for real
-        (``update``: the op, e.g. ``assign_add``, when ``new`` is computed from the value)."""
-        if _trace.depth and _trace.bind(self, new, update):
-            return
-        trace = current_trace()
-        if isinstance(new, Tracer) or trace is not EVAL and staging(trace):
-            raise _traced_context_error(self._name)
-        if not (placed or self._is_string):
-            old = ownership.peek(self).sharding
-            if new.sharding != old:
-                new = jax.device_put(new, old)
-        self._write(new, owned)
-
-    def _write(self, new: Any, owned: bool = False) -> None:
-        """The one write path of a variable's real array (callers checked dtype, shape and
-        placement). ``owned``: nobody outside this variable holds ``new``'s buffer."""
-        ownership.write(self, new, owned)
 
 
 class _Detached(Variable):
@@ -511,10 +247,10 @@ class _Abstract(Variable):
     def numpy(self) -> np.ndarray:
         raise _abstract.error(self._name, "read")
 
-    def assign(self, value: Any, read_value: bool = True) -> Variable | None:
+    def assign(self, value: Any, read_value: bool = True) -> Self | None:
         raise _abstract.error(self._name, "assigned")
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Variable | None:
+    def assign_add(self, delta: Any, read_value: bool = True) -> Self | None:
         raise _abstract.error(self._name, "assigned")
 
     assign_sub = assign_add
