@@ -17,21 +17,17 @@ if __name__ == "__main__":  # the multi-device subprocess: before jax is importe
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib
-import fcntl
-import json
 import re
-import subprocess
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _multidevice import run_checks, session_results
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -543,49 +539,9 @@ def check_abstract_model_and_optimizer_restored_from_a_checkpoint_equal_the_orig
         assert v.sharding == want[v.name][1], v.name  # the step keeps every placement
 
 
-def _run_checks(out: str) -> None:
-    results: dict[str, str] = {}
-    for name, fn in CHECKS.items():
-        try:
-            ps.random.set_seed(0)
-            with ps.VariableStore():
-                fn()
-            results[name] = "ok"
-        except BaseException:
-            results[name] = traceback.format_exc()
-    Path(out).write_text(json.dumps({"results": results}))
-
-
 @pytest.fixture(scope="session")
 def layout_results(tmp_path_factory):
-    """Run this file as the 8-device subprocess once per session (xdist workers share it)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    out = root / "layout_results.json"
-    with open(root / "layout_results.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not out.exists():
-                env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-                # this checkout's paramstore, not the one the environment has installed
-                root_dir = str(Path(__file__).resolve().parent.parent)
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [root_dir, env.get("PYTHONPATH")]))
-                proc = subprocess.run(
-                    [sys.executable, __file__, str(out)],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=600,
-                )
-                if not out.exists():
-                    pytest.fail(
-                        f"the multi-device subprocess failed (rc {proc.returncode}):\n"
-                        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                    )
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return json.loads(out.read_text())
+    return session_results(tmp_path_factory, __file__, "layout_results")
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -597,4 +553,4 @@ def test_multi_device(name, layout_results):
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        _run_checks(sys.argv[1])
+        run_checks(CHECKS, sys.argv[1])

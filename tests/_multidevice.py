@@ -1,0 +1,73 @@
+"""Multi-device checks run in one 8-device subprocess per test file and session.
+
+A test file defines ``CHECKS = {name: fn}`` and, under ``if __name__ == "__main__"``, calls
+``run_checks(CHECKS, sys.argv[1])``; its session fixture returns
+``session_results(tmp_path_factory, __file__, "stem")``, and one parametrized test per check
+reads its result. The subprocess gets 8 forced CPU devices (the file sets ``XLA_FLAGS`` before
+importing JAX) and this checkout's paramstore.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import paramstore as ps
+
+
+def run_checks(checks: Mapping[str, Callable[[], Any]], out: str) -> None:
+    """Run every check in a fresh store with the seed reset; write results and timings."""
+    results: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    for name, fn in checks.items():
+        t0 = time.perf_counter()
+        try:
+            ps.random.set_seed(0)
+            with ps.VariableStore():
+                fn()
+            results[name] = "ok"
+        except BaseException:
+            results[name] = traceback.format_exc()
+        timings[name] = time.perf_counter() - t0
+    Path(out).write_text(json.dumps({"results": results, "timings": timings}))
+
+
+def session_results(tmp_path_factory: Any, test_file: str, stem: str) -> dict[str, Any]:
+    """Run ``test_file`` as the 8-device subprocess once per session (xdist workers share it)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / f"{stem}.json"
+    with open(root / f"{stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not out.exists():
+                env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+                # this checkout's paramstore, not the one the environment has installed
+                root_dir = str(Path(__file__).resolve().parent.parent)
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [root_dir, env.get("PYTHONPATH")]))
+                proc = subprocess.run(
+                    [sys.executable, test_file, str(out)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
+                if not out.exists():
+                    pytest.fail(
+                        f"the multi-device subprocess failed (rc {proc.returncode}):\n"
+                        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+                    )
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return json.loads(out.read_text())
