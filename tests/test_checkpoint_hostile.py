@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 import time
 
 import numpy as np
 import pytest
+from _bounded import BOUND, in_thread
 
 import paramstore as ps
 from paramstore import checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
 
 h5py = pytest.importorskip("h5py")
-
-BOUND = 10.0  # seconds: anything longer is a hang
 
 
 def refused(path, match, name="layers/dense/vars/0", shape=(4,)):
@@ -40,24 +38,6 @@ def refused(path, match, name="layers/dense/vars/0", shape=(4,)):
     assert cli.main(["inspect", str(path)]) == 1
     assert time.perf_counter() - start < BOUND
     assert np.all(v.numpy() == 7.0)
-
-
-def in_thread(fn, timeout=BOUND):
-    """Run ``fn`` in a daemon thread; fail (not hang) if it does not return in time."""
-    out: list = []
-
-    def run():
-        try:
-            fn()
-            out.append(None)
-        except BaseException as e:
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert out, f"still blocked after {timeout} s"
-    return out[0]
 
 
 # --------------------------------------------------------------------------- HDF5

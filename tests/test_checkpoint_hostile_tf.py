@@ -9,12 +9,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _bounded import BOUND, in_thread
 
 import paramstore as ps
 from paramstore import checkpoint, cli
@@ -22,25 +22,6 @@ from paramstore.checkpoint import CheckpointError, Saver
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-BOUND = 10.0  # seconds: anything longer is a hang
-
-
-def in_thread(fn, timeout=BOUND):
-    """Run ``fn`` in a daemon thread; fail (not hang) if it does not return in time."""
-    out: list = []
-
-    def run():
-        try:
-            fn()
-            out.append(None)
-        except BaseException as e:
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert out, f"still blocked after {timeout} s"
-    return out[0]
 
 
 # ------------------------------------------------------- a hand-made TensorFlow index
