@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from paramstore._html import human_bytes
 from paramstore.variable import Variable
 
 __all__ = ["summary", "summary_html"]
@@ -57,16 +58,6 @@ def _nbytes(v: Variable) -> int:
         return int(v.size) * np.dtype(v.dtype).itemsize
     except TypeError:  # strings
         return 0
-
-
-def human_bytes(nbytes: int) -> str:
-    """``512 B``, ``1.5 KiB``, ``2.0 MiB``: a byte count for people."""
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError  # unreachable: the loop returns at GiB
 
 
 def _table(obj: Any) -> tuple[str, list[tuple[str, ...]], list[str]]:

@@ -29,7 +29,13 @@ from paramstore._checkpoint_placement import place
 from paramstore._format import STRING, CheckpointError, PathLike, no_such_variable
 from paramstore._tf_index import TFEntry, TFIndex, data_path, is_prefix
 
-__all__ = ["TensorFlowCheckpoint", "is_prefix", "is_checkpoint_dir", "import_optional"]
+__all__ = [
+    "TensorFlowCheckpoint",
+    "is_prefix",
+    "is_checkpoint_dir",
+    "import_optional",
+    "strings_array",
+]
 
 _INSTALL = "pip install 'paramstore[tensorflow]' (tensorflow-cpu and h5py)"
 _MAX_STATE = 1 << 20  # the bytes of a directory's "checkpoint" file paramstore reads
@@ -73,7 +79,7 @@ def latest(directory: str) -> str:
     return prefix
 
 
-def _strings(arr: np.ndarray) -> np.ndarray:
+def strings_array(arr: np.ndarray) -> np.ndarray:
     """TensorFlow's bytes objects as a read-only NumPy string array."""
     flat = [b.decode("utf-8", "surrogateescape") for b in arr.reshape(-1).tolist()]
     out = np.array(flat, dtype=STRING).reshape(arr.shape)
@@ -170,5 +176,5 @@ class TensorFlowCheckpoint:
                     f"TensorFlow checkpoint '{self.path}' is corrupt: variable '{name}' read "
                     f"as shape {arr.shape}, its index says {self.entries[name].shape}."
                 )
-            values[name] = _strings(arr) if arr.dtype == object else arr
+            values[name] = strings_array(arr) if arr.dtype == object else arr
         return place(values, wanted)

@@ -33,7 +33,7 @@ import numpy as np
 from paramstore._checkpoint_io import check_regular
 from paramstore._checkpoint_placement import place
 from paramstore._format import STRING, CheckpointError, Entry, PathLike, no_such_variable
-from paramstore._tf import import_optional
+from paramstore._tf import import_optional, strings_array
 
 MAX_INFLATE = 16  # a filtered dataset may decompress to at most 16x its stored bytes ...
 INFLATE_SLACK = 1 << 20  # ... plus 1 MiB (small tensors of zeros compress far better)
@@ -55,13 +55,6 @@ def is_hdf5(path: str) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def _strings(arr: np.ndarray) -> np.ndarray:
-    flat = [b.decode("utf-8", "surrogateescape") for b in arr.reshape(-1).tolist()]
-    out = np.array(flat, dtype=STRING).reshape(arr.shape)
-    out.flags.writeable = False
-    return out
 
 
 class KerasWeights:
@@ -190,5 +183,5 @@ class KerasWeights:
                     f"HDF5 file '{self.path}' is corrupt: dataset '{name}' read as shape "
                     f"{arr.shape}, not {self.entries[name].shape}."
                 )
-            values[name] = _strings(arr) if arr.dtype.kind in "OS" else arr
+            values[name] = strings_array(arr) if arr.dtype.kind in "OS" else arr
         return place(values, wanted)

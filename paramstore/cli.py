@@ -34,7 +34,7 @@ from paramstore._format import (
     is_string,
     no_such_variable,
 )
-from paramstore._summary import human_bytes
+from paramstore._html import human_bytes
 
 
 def escape(text: str) -> str:
