@@ -47,6 +47,7 @@ def check_version(version: str) -> None:
 check_version(jax.__version__)
 
 from jax._src import core as _core  # noqa: E402
+from jax._src import dtypes as _jax_dtypes  # noqa: E402
 from jax._src import source_info_util as _source_info  # noqa: E402
 from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402
 from jax._src.interpreters import batching as _batching  # noqa: E402
@@ -73,6 +74,7 @@ __all__ = [
     "init_program",
     "in_shard_map",
     "device_assignment",
+    "refuse_as_array",
 ]
 
 Tracer = jax.core.Tracer
@@ -266,3 +268,20 @@ def _while_rule(
 
 
 _discharge.register_partial_discharge_rule(_loops.while_p)(_while_rule)
+
+
+def refuse_as_array(cls: type, message: Any) -> None:
+    """Make JAX's abstractification of a ``cls`` instance (a ``lax`` function or another
+    primitive given one directly) raise ``ValueError(message(x))`` instead of JAX's own
+    "Triggering __jax_array__() during abstractification is no longer supported"
+    ValueError, which names neither the object nor the fix. (A ValueError, as JAX's: JAX
+    turns a TypeError from here into its own message, losing ours.) JAX looks types up in its
+    value-canonicalization handlers and ``pytype_aval_mappings`` (subclasses through the
+    MRO) before that check, so ``jnp`` functions, which convert through ``__jax_array__``
+    first, are unaffected."""
+
+    def refuse(x: Any) -> Any:
+        raise ValueError(message(x))
+
+    _jax_dtypes.register_canonicalize_value_handler(cls, refuse)
+    _core.pytype_aval_mappings[cls] = refuse

@@ -58,7 +58,7 @@ from paramstore._context import STATE_LOCK, prefixed
 from paramstore._creation import abstract_value, created, shaped
 from paramstore._dtypes import STRING, is_key_dtype, shape_error
 from paramstore._initial import flag, fresh
-from paramstore._jax import Tracer
+from paramstore._jax import Tracer, refuse_as_array
 from paramstore._layout import check_partition
 from paramstore._ownership import ownership
 from paramstore._placement import place
@@ -342,3 +342,12 @@ def _unflatten(aux: tuple[str, bool], children: Any) -> Any:
 jax.tree_util.register_pytree_node(Variable, _flatten, _unflatten)
 jax.tree_util.register_pytree_node(_Detached, _flatten, _unflatten)
 jax.tree_util.register_pytree_node(_Abstract, _flatten, _unflatten)
+refuse_as_array(
+    Variable,
+    lambda v: (
+        f"ps.Variable {v.name!r} was given to a JAX primitive (a jax.lax function, or "
+        "another API that takes arrays only): those do not convert a Variable. Pass its "
+        f"array instead: `{v.name.rsplit('/', 1)[-1]}.value()` (jnp functions and "
+        "operators accept the Variable itself)."
+    ),
+)

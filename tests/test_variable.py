@@ -903,3 +903,25 @@ def test_string_variable_from_a_numpy_stringdtype_array():
     v = ps.Variable(np.array(["a", "bc"], dtype=np.dtypes.StringDType()))
     assert v.dtype == np.dtypes.StringDType()
     assert v.numpy().tolist() == ["a", "bc"]
+
+
+def test_a_lax_function_given_a_variable_names_it_and_the_fix():
+    lax = jax.lax
+    kernel = ps.Variable(jnp.ones((3, 3, 1, 2)), name="kernel")
+    x = jnp.ones((1, 5, 5, 1))
+    dims = ("NHWC", "HWIO", "NHWC")
+    before = kernel.numpy().copy()
+    with pytest.raises(ValueError, match=r"ps.Variable 'kernel'.*kernel\.value\(\)"):
+        lax.conv_general_dilated(x, kernel, (1, 1), "VALID", dimension_numbers=dims)
+
+    @ps.function
+    def step(y):
+        return lax.add(kernel, y)
+
+    with pytest.raises(ValueError, match=r"ps.Variable 'kernel'.*JAX primitive"):
+        step(jnp.ones((3, 3, 1, 2)))
+    np.testing.assert_array_equal(kernel.numpy(), before)
+    # the fix the message gives works, and jnp functions still take the Variable itself
+    out = lax.conv_general_dilated(x, kernel.value(), (1, 1), "VALID", dimension_numbers=dims)
+    assert out.shape == (1, 3, 3, 2)
+    np.testing.assert_allclose(jnp.sin(kernel), np.sin(before))
