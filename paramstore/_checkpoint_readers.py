@@ -71,11 +71,20 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
 
 @contextlib.contextmanager
 def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
-    resolved = _resolve(path)
-    # a sharded directory is read under its path's lock: a save from another thread of
-    # this process replaces its files one by one (a single file is renamed atomically)
-    lock = path_lock(resolved) if _orbax.is_checkpoint(resolved) else contextlib.nullcontext()
-    with lock:
+    # A sharded directory is resolved and read under its path's lock: a save from another
+    # thread of this process deletes and rewrites it (Orbax), so even the check of what
+    # ``path`` is must not run while one is under way (it would see no directory, or one
+    # without its metadata). A regular file is renamed atomically: no lock. A manager
+    # directory resolves to its latest checkpoint, read under that checkpoint's lock.
+    given = os.fspath(path)
+    with contextlib.ExitStack() as stack:
+        if not os.path.isfile(given):
+            stack.enter_context(path_lock(given))
+        resolved = _resolve(given)
+        if resolved != given:
+            stack.close()  # never two path locks at once (they are striped)
+            if _orbax.is_checkpoint(resolved):
+                stack.enter_context(path_lock(resolved))
         reader = open_reader(resolved, allow_unverified)
         try:
             yield reader
