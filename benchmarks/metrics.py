@@ -16,6 +16,15 @@ the softmax against the one-hot labels). Variants:
   metrics' layout: each extra small buffer costs XLA's CPU runtime time per call, in
   paramstore and in pure JAX alike).
 
+Why six scalar Variables cost more than one array of six (and why ``ps.metrics`` does not):
+XLA:CPU's thunk executor runs a step in the calling thread while at most 8 thunks are ready at
+once and hands half of them to its thread pool beyond that. Here the reference step starts with
+8 ready thunks; a constant increment of a scalar (``count += batch``) is another thunk ready at
+the start, so three of them take the step over the threshold (pure JAX with the same six
+in-place scalar buffers pays the same). ``ps.metrics`` computes each metric's two increments
+in one program behind ``lax.optimization_barrier``, so no metric adds a thunk that is ready
+at the start, whatever the model.
+
 Each figure is the median per-step time over ``--repeats`` rounds of ``--steps`` steps; the
 variants run interleaved round by round (one round each, in turn), so load on the machine
 hits them alike (the first of each round rotates). ``blocking`` waits for the loss after
@@ -168,14 +177,17 @@ def jit_hand_sums(scalars: bool = False) -> Step:
         _, correct, sq = loss_and_metrics(logits, y)
         n = jnp.float32(BATCH)
         add = (loss, 1.0, correct.sum(), n, sq.sum(), n)
+        # The loss last: jit pairs each donated input with the first unused output of its
+        # shape and dtype, so a scalar loss first would take the first scalar sum's buffer
+        # and make XLA copy every sum (which, by chance, also serializes the program).
         if scalars:
-            return loss, p, s, [total + a for total, a in zip(sums, add)]
-        return loss, p, s, sums + jnp.stack(add)
+            return p, s, [total + a for total, a in zip(sums, add)], loss
+        return p, s, sums + jnp.stack(add), loss
 
     step = jax.jit(_step, donate_argnums=(0, 1, 2))
 
     def run() -> jax.Array:
-        loss, state[0], state[1], state[2] = step(*state, x, y)
+        state[0], state[1], state[2], loss = step(*state, x, y)
         return loss
 
     return run
