@@ -37,6 +37,7 @@ class Reads(ArrayOps):
     _is_string: bool
     _is_key: bool
     _arith: bool
+    _delta_aval: Any
     _partition: tuple[Any, ...] | None
 
     def value(self) -> Any:

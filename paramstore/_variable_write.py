@@ -76,16 +76,14 @@ class Writes(Reads):
         return self if read_value else None
 
     def _update(self, delta: Any, how: str) -> None:
-        if self._arith and type(delta) is ARRAY_TYPE and delta.dtype == self._dtype:
-            # The common eager case, a strong jax.Array of the variable's dtype: the checks
-            # that apply are below (its shape; weak types and other dtypes take _coerce).
-            # Measured: assign_add on 1,000 float32 13.4 -> 11.x us (2026-11-22).
-            d = delta if not delta.weak_type else self._coerce(delta, how, host=True)
+        if type(delta) is ARRAY_TYPE and delta.aval is self._delta_aval:
+            # The steady eager case: an array with the very aval (an immutable object) of a
+            # delta that passed every check of _delta, so of this variable's dtype and exact
+            # shape and not weakly typed: one identity test instead of five attribute
+            # reads (assign_add on 1,000 float32: 0.95x -> 0.85x of `x = x + d`, 2026-11-23).
+            d = delta
         else:
-            self._check_arithmetic(how)
-            d = self._coerce(delta, how, host=True)
-        if d.shape != self._shape and not broadcasts(d.shape, self._shape):
-            raise shape_error(self._name, self._shape, tuple(d.shape))
+            d = self._delta(delta, how)
         if _trace.depth and _trace.active():  # traced: plain jnp ops, no nested jit
             op = jnp.add if how == "add" else jnp.subtract
             self._swap(op(self.value(), d), update=f"assign_{how[:3]}")
@@ -97,6 +95,26 @@ class Writes(Reads):
         # The result lands where the variable's array is: no placement check.
         fresh, donating = _EAGER[how]
         ownership.update(self, fresh, donating, d)
+
+    def _delta(self, delta: Any, how: str) -> Any:
+        """``delta`` checked and converted for ``_update`` (TypeError/ValueError: no change)."""
+        if self._arith and type(delta) is ARRAY_TYPE and delta.dtype == self._dtype:
+            # A strong jax.Array of the variable's dtype: the checks that apply are below
+            # (its shape; weak types and other dtypes take _coerce). Measured: assign_add on
+            # 1,000 float32 13.4 -> 11.x us (2026-11-22).
+            if delta.weak_type:
+                d = self._coerce(delta, how, host=True)
+            elif delta.shape == self._shape:
+                self._delta_aval = delta.aval  # the next delta with this aval skips all this
+                return delta
+            else:
+                d = delta
+        else:
+            self._check_arithmetic(how)
+            d = self._coerce(delta, how, host=True)
+        if d.shape != self._shape and not broadcasts(d.shape, self._shape):
+            raise shape_error(self._name, self._shape, tuple(d.shape))
+        return d
 
     def _check_arithmetic(self, what: str) -> None:
         if self._is_string:

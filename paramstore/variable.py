@@ -108,6 +108,7 @@ class Variable(Writes):
         "_is_string",
         "_is_key",
         "_arith",
+        "_delta_aval",  # the aval of the last eager update's delta that passed every check
         "_partition",
         "__weakref__",
     )
@@ -179,6 +180,7 @@ class Variable(Writes):
         self._shape = tuple(value.shape)
         self._is_string = self._dtype == STRING
         self._arith = not (self._is_key or self._is_string or self._dtype.kind == "b")
+        self._delta_aval = None
 
     def ref(self) -> Reference:
         """A hashable reference to this variable."""
@@ -335,6 +337,7 @@ def _unflatten(aux: tuple[str, bool], children: Any) -> Any:
     self = object.__new__(_Detached)
     self._set_fields(leaf, aux[1], owned=False)
     self._arith = False  # every update goes through _coerce, which refuses it
+    self._delta_aval = None
     self._name = aux[0]
     return self
 

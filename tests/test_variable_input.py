@@ -147,3 +147,31 @@ def test_string_variables_hold_utf8_text_only(_fresh_store):
     with pytest.raises(TypeError, match=r"String variable .* not valid utf-8"):
         v.assign(np.array([b"\xff", b"x"]))
     assert v.numpy().tolist() == ["alpha", "café"]  # unchanged
+
+
+def test_eager_updates_check_every_delta_after_a_good_one(_fresh_store):
+    """The eager fast path (a delta with the aval of one already checked) never lets a delta
+    of another shape, dtype or weak type through: each is checked, converted or refused."""
+    v = ps.Variable(np.zeros((2, 3), np.float32), name="acc")
+    good = jnp.ones((2, 3), jnp.float32)
+    v.assign_add(good)
+    v.assign_add(good)  # the same aval: the fast path
+    np.testing.assert_array_equal(v.numpy(), np.full((2, 3), 2.0, np.float32))
+    v.assign_add(jnp.ones((3,), jnp.float32))  # broadcasts: allowed, checked
+    v.assign_sub(jnp.asarray(1.0))  # weakly typed scalar: converted
+    np.testing.assert_array_equal(v.numpy(), np.full((2, 3), 2.0, np.float32))
+    for bad, error, message in [
+        (
+            jnp.ones((3, 2), jnp.float32),
+            ValueError,
+            r"\(3, 2\) to variable 'acc' of shape \(2, 3\)",
+        ),
+        (jnp.ones((2, 3), jnp.float64 if jax.config.x64_enabled else jnp.int32), TypeError, "acc"),
+        (jnp.ones((2, 3), jnp.complex64), TypeError, "complex64"),
+    ]:
+        with pytest.raises(error, match=message):
+            v.assign_add(bad)
+        np.testing.assert_array_equal(v.numpy(), np.full((2, 3), 2.0, np.float32))
+    v.assign_add(good)  # still fast and right after the refusals
+    np.testing.assert_array_equal(v.numpy(), np.full((2, 3), 3.0, np.float32))
+    assert v.dtype == np.float32 and v.shape == (2, 3)
