@@ -9,7 +9,8 @@ The variants are interleaved call by call (async: in blocks of 20 calls), altern
 their order between ``--repeats`` rounds of a pinned ``--steps`` steps each; each figure
 is the median of the per-call samples, with its interquartile range; ratios are to the
 reference (hand-written ``jax.jit`` over ``(params, opt_state)`` with donation) measured
-in the same run. ``first call`` is trace + compile + one step, against ``jax.jit``'s.
+in the same run, as the median of the ratios of each call to the reference's call next to
+it (so load that changes during the run cancels out). ``first call`` is trace + compile + one step, against ``jax.jit``'s.
 
 Variants needing packages that are not installed (flax, equinox, tensorflow) are skipped.
 On the dispatch-bound model two more rows run FUSED (200) steps per call through a plain
@@ -323,13 +324,14 @@ def _iqr(xs: list[float]) -> tuple[float, float, float]:
 
 def time_steps(
     runs: dict[str, Callable[[], object]], steps: int, repeats: int
-) -> dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]]:
-    """Seconds per step of each variant, (q1, median, q3) blocking and async.
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Seconds per step of each variant, every per-call sample, blocking and async.
 
     Robust to a noisy shared machine: the variants are interleaved call by call (blocking:
     each call waits for its loss; async: blocks of ``ASYNC_BLOCK`` calls), in alternating
     order, for a pinned number of steps, so a change in load hits every variant alike;
-    medians and interquartile ranges of the per-call samples are reported."""
+    medians and interquartile ranges of the per-call samples are reported, and ratios are
+    medians of per-pair ratios (``paired_ratio``)."""
     blocking: dict[str, list[float]] = {name: [] for name in runs}
     asynchronous: dict[str, list[float]] = {name: [] for name in runs}
     per_call = {name: getattr(run, "steps_per_call", 1) for name, run in runs.items()}
@@ -358,7 +360,16 @@ def time_steps(
                     loss = run()
                 _block(loss)
                 asynchronous[name].append((time.perf_counter() - t0) / (block * per_call[name]))
-    return {name: (_iqr(blocking[name]), _iqr(asynchronous[name])) for name in runs}
+    return {name: (blocking[name], asynchronous[name]) for name in runs}
+
+
+def paired_ratio(samples: list[float], ref: list[float]) -> float:
+    """The median of the per-call ratios to the reference's call made just before or after
+    (the same round and index): drift in the machine's load cancels in each pair, so two
+    runs agree more closely than the ratio of two medians (issue 15: within 5%)."""
+    if len(samples) != len(ref):  # fused variants make fewer calls: medians' ratio
+        return statistics.median(samples) / statistics.median(ref)
+    return statistics.median(a / b for a, b in zip(samples, ref))
 
 
 def _spread(q: tuple[float, float, float]) -> str:
@@ -407,11 +418,12 @@ def main() -> None:
             except ImportError as e:
                 print(f"{name:38} skipped ({e.name} not installed)")
         results = time_steps(runs, steps, args.repeats)
-        ref_b, ref_a = (s[1] for s in next(iter(results.values())))
-        for name, (b, a) in results.items():
+        ref_b, ref_a = next(iter(results.values()))
+        for name, (bs, as_) in results.items():
+            b, a = _iqr(bs), _iqr(as_)
             print(
-                f"{name:38} {b[1] * 1e6:12.1f} {b[1] / ref_b:7.2f} {_spread(b):>13} "
-                f"{a[1] * 1e6:10.1f} {a[1] / ref_a:7.2f} {_spread(a):>13}"
+                f"{name:38} {b[1] * 1e6:12.1f} {paired_ratio(bs, ref_b):7.2f} {_spread(b):>13} "
+                f"{a[1] * 1e6:10.1f} {paired_ratio(as_, ref_a):7.2f} {_spread(a):>13}"
             )
         if args.no_first_call:
             continue
