@@ -78,33 +78,10 @@ class ThreadSave:
             raise self._error
 
 
-class _OrbaxSave:
-    """A sharded save through an Orbax AsyncCheckpointer (returns once copied to host)."""
-
-    def __init__(
-        self, path: str, values: dict[str, Any], prune: Callable[[], None], checkpointer: Any
-    ) -> None:
-        self._checkpointer = checkpointer
-        self._prune = prune
-        with path_lock(path):
-            _orbax.save(path, values, self._checkpointer)
-
-    def wait(self) -> None:
-        self._checkpointer.wait_until_finished()
-        self._prune()
-
-
-def sharded_background(
-    path: str, values: dict[str, Any], prune: Callable[[], None], checkpointer: Callable[[], Any]
-) -> Background:
-    """Start an async sharded save: ``_orbax.save_async(path, values)`` (a ``Background``)
-    where the sharded format provides it, else through the Orbax AsyncCheckpointer that
-    ``checkpointer()`` returns; ``prune`` runs once it is on disk."""
-    start = getattr(_orbax, "save_async", None)
-    if start is None:
-        return _OrbaxSave(path, values, prune, checkpointer())
-    inner: Background = start(path, values)
-    return _Then(inner, prune)
+def sharded_background(path: str, values: dict[str, Any], prune: Callable[[], None]) -> Background:
+    """Start an async sharded save (``_orbax.save_async``, which holds the path's lock until
+    the files are written); ``prune`` runs once it is on disk."""
+    return _Then(_orbax.save_async(path, values), prune)
 
 
 class _Then:
@@ -163,7 +140,6 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self._pending: Background | None = None  # the save in flight (async_save)
         self._lock = threading.RLock()  # one save (or wait) at a time
-        self._orbax_async: Any = None  # an Orbax AsyncCheckpointer, made on first use
         if jax.process_index() == 0:
             os.makedirs(self.directory, exist_ok=True)
             _remove_stale_temps(self.directory)
@@ -218,7 +194,7 @@ class CheckpointManager:
                         _orbax.save(path, values)
                     self._prune()
                     return path
-                self._start(sharded_background(path, values, self._prune, self._checkpointer))
+                self._start(sharded_background(path, values, self._prune))
                 return path
             if not self.async_save:
                 self._write(path, saver._snapshot(copy=False))
@@ -226,11 +202,6 @@ class CheckpointManager:
             arrays = saver._snapshot(copy=True)
             self._start(ThreadSave(lambda: self._write(path, arrays), path))
             return path
-
-    def _checkpointer(self) -> Any:
-        if self._orbax_async is None:
-            self._orbax_async = _orbax.async_checkpointer()
-        return self._orbax_async
 
     def _start(self, pending: Background) -> None:
         self._pending = pending
