@@ -22,8 +22,9 @@ identity of Variables/Modules passed as arguments) the function is traced **once
 
 Donation. A variable that the function both reads and assigns has its input buffer
 donated, so XLA updates it in place, but only a buffer the variable owns (one that came
-out of its own computation, see ``variable``) and that nobody else holds (the reference
-count): any other is copied first, so an array the user holds stays valid. A program with
+out of its own computation) and that was never handed out (``value()``, ``np.asarray``, a
+step's output...: ``_ownership`` records each hand-out by identity, no reference counts):
+any other is copied once first, so an array the user holds stays valid. A program with
 host callbacks (``jax.debug.callback``, ``io_callback`` ...), which can raise while it
 runs, donates nothing and is waited for before its results are swapped in, so a run-time
 error leaves every variable as it was. ``donate=False`` turns donation off.

@@ -23,10 +23,10 @@ Contract (see docs/api.md, "Variables"):
   state lock (``STATE_LOCK``), which ``ps.function`` calls also hold while they gather,
   dispatch and swap. So each assign and each compiled call is atomic, concurrent
   ``assign_add``s lose nothing, and a read never meets a buffer that a step donates.
-* Ownership: ``_owned`` says the array came out of this variable's own computation (a
-  compiled update, a private copy) and nobody was handed it by us except through
-  ``value()``, whose callers the reference count shows. Only an owned array whose reference
-  count shows no other holder is donated; any other is copied first (once).
+* Ownership is ``_ownership``'s: it records every array it hands out (``value()``,
+  ``np.asarray(v)``, a pytree flatten, a step's output...) by identity, and a compiled step
+  donates a variable's array only if it came out of the variable's own computation and was
+  never handed out; any other is copied first (once). No reference counts are used.
 * A Variable is a registered pytree (one leaf, its value) so that ``jnp`` functions accept
   it. Unflattening makes a *detached* Variable (``_Detached``): it holds the leaf, is in no
   store, counts as no creation, and refuses assigns (they could never reach the original).
