@@ -52,6 +52,8 @@ from typing import Any, Self
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec, Sharding
+from jax.typing import DTypeLike
 
 from paramstore import _abstract, _trace
 from paramstore._context import STATE_LOCK, prefixed
@@ -59,16 +61,17 @@ from paramstore._creation import abstract_value, created, shaped
 from paramstore._dtypes import STRING, is_key_dtype, shape_error
 from paramstore._initial import flag, fresh
 from paramstore._jax import Tracer, refuse_as_array
-from paramstore._layout import check_partition
+from paramstore._layout import Partition, check_partition
 from paramstore._ownership import ownership
 from paramstore._placement import place
 from paramstore._slice import VariableSlice
 from paramstore._store import default_store
 from paramstore._variable_write import Writes
+from paramstore.typing import DeviceLike, Index, InitialValue, ShapeLike, ValueLike
 
 __all__ = ["Variable", "VariableSlice", "Reference", "set_initial_value"]
 
-_MISSING = object()
+_MISSING: Any = object()  # initial_value's default: not given (a clear TypeError)
 
 
 # ------------------------------------------------------------------------------ Variable
@@ -115,15 +118,15 @@ class Variable(Writes):
 
     def __init__(
         self,
-        initial_value: Any = _MISSING,
+        initial_value: InitialValue = _MISSING,
         trainable: bool | None = None,
         name: str | None = None,
-        dtype: Any = None,
+        dtype: DTypeLike | None = None,
         *,
-        device: Any = None,
-        sharding: Any = None,
-        shape: Any = None,
-        partition: Any = None,
+        device: DeviceLike | Sharding | None = None,
+        sharding: Sharding | Mesh | None = None,
+        shape: ShapeLike | None = None,
+        partition: Partition | PartitionSpec | None = None,
         _full_name: str | None = None,
     ) -> None:
         if initial_value is _MISSING or initial_value is None:
@@ -186,7 +189,7 @@ class Variable(Writes):
         """A hashable reference to this variable."""
         return Reference(self)
 
-    def __getitem__(self, index: Any) -> VariableSlice:
+    def __getitem__(self, index: Index) -> VariableSlice:
         return VariableSlice(self, index)
 
     # -- copies
@@ -217,8 +220,8 @@ class _Detached(Variable):
 
     __slots__ = ()
 
-    def value(self) -> Any:
-        return ownership.peek(self)  # a pytree leaf (often a tracer), never donated
+    def value(self) -> jax.Array:
+        return ownership.peek(self)  # type: ignore[no-any-return]  # a pytree leaf, never donated
 
     read_value = value
 
@@ -241,7 +244,7 @@ class _Abstract(Variable):
     def is_abstract(self) -> bool:
         return True
 
-    def value(self) -> Any:
+    def value(self) -> jax.Array:
         raise _abstract.error(self._name, "read")
 
     read_value = value
@@ -249,10 +252,10 @@ class _Abstract(Variable):
     def numpy(self) -> np.ndarray:
         raise _abstract.error(self._name, "read")
 
-    def assign(self, value: Any, read_value: bool = True) -> Self | None:
+    def assign(self, value: ValueLike, read_value: bool = True) -> Self | None:
         raise _abstract.error(self._name, "assigned")
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Self | None:
+    def assign_add(self, delta: ValueLike, read_value: bool = True) -> Self | None:
         raise _abstract.error(self._name, "assigned")
 
     assign_sub = assign_add

@@ -43,7 +43,17 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, list[str]]] = [
     (
         "helpers",
-        ["_context", "_jax", "_dtypes", "_placement", "_store", "_seed", "_ownership", "_trace"],
+        [
+            "typing",
+            "_context",
+            "_jax",
+            "_dtypes",
+            "_placement",
+            "_store",
+            "_seed",
+            "_ownership",
+            "_trace",
+        ],
     ),
     ("variable", ["variable", "_variable_*", "_array_ops", "_initial", "_slice", "_creation"]),
     ("scopes and modules", ["scope", "_traverse", "module", "initializers", "random", "_collect"]),
