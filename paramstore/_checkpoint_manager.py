@@ -13,7 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -24,6 +24,10 @@ from paramstore._checkpoint_io import TEMP_RE
 from paramstore._checkpoint_readers import scan
 from paramstore._checkpoint_saver import Saver, check_step, path_lock
 from paramstore._format import PathLike
+from paramstore.typing import VariablesLike
+
+if TYPE_CHECKING:
+    from paramstore.object_checkpoint import Checkpoint
 
 
 def _remove_stale_temps(directory: str) -> None:
@@ -114,7 +118,7 @@ class CheckpointManager:
     def __init__(
         self,
         directory: PathLike,
-        saver_or_vars: Any = None,
+        saver_or_vars: Saver | Checkpoint | VariablesLike | None = None,
         max_to_keep: int | None = 5,
         async_save: bool = False,
         *,
@@ -125,7 +129,8 @@ class CheckpointManager:
         self.directory = os.fspath(directory)
         self._checkpoint: Any = None  # a ps.Checkpoint, which makes a Saver at each call
         if isinstance(saver_or_vars, Saver) or hasattr(saver_or_vars, "as_saver"):
-            if sharded is not None and sharded != saver_or_vars.sharded:
+            own = cast("Saver | Checkpoint", saver_or_vars)
+            if sharded is not None and sharded != own.sharded:
                 raise ValueError(
                     "CheckpointManager: sharded= conflicts with the Saver's or Checkpoint's "
                     "own setting; give it to that object."

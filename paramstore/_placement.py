@@ -223,7 +223,8 @@ def place(value: _Value, sharding: Sharding | None, what: str) -> _Value | jax.A
     if sharding is None:
         return value
     check_fits(sharding, tuple(np.shape(value)), what)
-    return jax.device_put(value, sharding)
+    placed: jax.Array = jax.device_put(value, sharding)
+    return placed
 
 
 # ---------------------------------------------------------------------------- placement

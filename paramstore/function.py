@@ -179,7 +179,7 @@ class Function(Generic[P, R]):
             self._fast[fast_key] = entry
         return entry(leaves)  # type: ignore[no-any-return]
 
-    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> jax.stages.Lowered:
         """JAX's ``Lowered`` for the program a call with these arguments runs (its
         ``as_text()``, ``compile()``, ``cost_analysis()``...), without running it or
         changing a variable (a first call's trace may still create variables)."""
@@ -194,11 +194,12 @@ class Function(Generic[P, R]):
 
         def spec(v: Variable) -> jax.ShapeDtypeStruct:
             x = ownership.peek(v)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # type: ignore[no-untyped-call]
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
-        return entry.runner.lower(  # type: ignore[attr-defined]
+        lowered: jax.stages.Lowered = entry.runner.lower(  # type: ignore[attr-defined]
             [spec(v) for v in entry.donated], [spec(v) for v in entry.readonly], leaves
         )
+        return lowered
 
     def _entry(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -14,7 +14,8 @@ Each alias says what a parameter accepts, matching what the code does with it at
 * ``Initializer``: ``init(shape, dtype=float32) -> jax.Array``, what every factory of
   ``ps.initializers`` returns; ``InitializerLike``: what ``get_variable(initializer=)``
   accepts (an initializer, an uncalled factory such as ``ps.initializers.zeros``, a
-  concrete value, or None for the default).
+  concrete value, or None for the default); ``LayerInitializer``: a ``ps.nn`` layer's
+  ``*_initializer=`` (an initializer, a ``ps.initializers`` name, or None).
 * ``Index``: an index of ``v[index]`` (what NumPy/JAX indexing accepts).
 * ``DeviceLike``: a device name (``"cpu:0"``, ``"gpu:1"``) or a ``jax.Device``;
   ``PlacementLike``: what ``ps.device`` accepts (also a ``Sharding``, a ``Mesh``, or a
@@ -25,6 +26,9 @@ Each alias says what a parameter accepts, matching what the code does with it at
   a Variable, as ``ps.random.Generator``, or a ``.variables`` attribute), a dict
   ``{name: Variable}``, and lists or tuples of these. (Other JAX pytrees of variables are
   accepted at run time too; no static type can name them: ``typing.cast`` them.)
+* ``ShardingTargets``: where ``reshard`` / ``Saver.restore(sharding=)`` put variables.
+* ``Trackable``: what ``ps.Checkpoint(**objects)`` tracks (``VariablesLike``, Checkpoints,
+  dicts and lists of these).
 * ``PyTree``: any JAX pytree (``Any``, as in JAX: its leaves and nodes are the user's).
 
 This module imports nothing from paramstore at run time (any module may use it); the
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
     from paramstore._placement import Layouts
     from paramstore._store import VariableStore
     from paramstore.module import Module
+    from paramstore.object_checkpoint import Checkpoint
     from paramstore.variable import Variable
 
 __all__ = [
@@ -57,10 +62,13 @@ __all__ = [
     "InitialValue",
     "Initializer",
     "InitializerLike",
+    "LayerInitializer",
     "PlacementLike",
     "PyTree",
     "Shape",
     "ShapeLike",
+    "ShardingTargets",
+    "Trackable",
     "ValueLike",
     "VariablesLike",
 ]
@@ -101,12 +109,23 @@ Index: TypeAlias = Union[None, slice, EllipsisType, ArrayLike, "Variable", Seque
 """An index of ``v[index]``: what NumPy/JAX indexing accepts (ints, slices, ``...``,
 ``None``, integer or boolean arrays, a Variable's value, tuples of these)."""
 
+LayerInitializer: TypeAlias = str | Initializer | Callable[..., ArrayLike] | None
+"""A layer's ``*_initializer=`` (``ps.nn``): a ``ps.initializers`` name (``"he_normal"``), an
+``init(shape, dtype)`` callable, or None for the layer's default."""
+
 DeviceLike: TypeAlias = str | jax.Device
 """A device: ``"cpu:0"``, ``"gpu:1"``, ``"/device:GPU:1"``, ``"cpu"``, or a ``jax.Device``."""
 
 PlacementLike: TypeAlias = Union[str, jax.Device, Sharding, Mesh, "Layouts"]
 """What ``ps.device`` accepts: a ``DeviceLike``, a ``Sharding``, a ``Mesh`` (replicated over
 it) or a ``ps.sharding.LayoutMap``."""
+
+ShardingTargets: TypeAlias = (
+    Sharding | Mesh | Mapping[str, Sharding | Mesh] | Callable[["Variable"], Sharding | Mesh | None]
+)
+"""Where ``ps.sharding.reshard`` (and ``Saver.restore(sharding=)``) puts variables: one
+``Sharding`` for all (a ``Mesh``: replicated over it), a dict ``{variable full name:
+Sharding}``, or a callable ``variable -> Sharding | None`` (None: the variable stays)."""
 
 
 class HasState(Protocol):
@@ -133,3 +152,9 @@ VariablesLike: TypeAlias = Union[
     Sequence["VariablesLike"],
 ]
 """A collection of variables (see the module docstring), nested freely."""
+
+Trackable: TypeAlias = Union[
+    VariablesLike, "Checkpoint", Mapping[str, "Trackable"], Sequence["Trackable"]
+]
+"""What ``ps.Checkpoint(**objects)`` tracks: collections of variables (``VariablesLike``),
+other Checkpoints, and dicts and lists of these (the attribute paths name the variables)."""

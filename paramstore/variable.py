@@ -171,7 +171,7 @@ class Variable(Writes):
         self._partition = part
         if traced:  # bound in the ps.function trace; its array comes after the trace, made
             _trace.create(self, value)  # by ps.function in a program with this sharding
-            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)  # type: ignore[no-untyped-call]
+            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
             ownership.adopt(self, placeholder, owned=True)
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 

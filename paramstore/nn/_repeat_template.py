@@ -64,7 +64,9 @@ class Template:
         self.others: dict[Any, tuple[list[Variable], list[Variable]]] = {}  # Repeat._others
 
 
-def learn(t: Template, me: str, x: Any, args: tuple, kwargs: dict) -> list[Variable]:
+def learn(
+    t: Template, me: str, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Variable]:
     """Run the template eagerly (twice) on zeros shaped like the inputs; return its
     variables. Raises (``me`` names the Repeat), creating nothing real, if the block is
     unfit for a scan."""
