@@ -20,9 +20,9 @@ import numpy as np
 
 from paramstore import _orbax
 from paramstore._checkpoint_file import write_arrays
-from paramstore._checkpoint_io import TEMP_RE
+from paramstore._checkpoint_io import TEMP_RE, path_lock
 from paramstore._checkpoint_readers import scan
-from paramstore._checkpoint_saver import Saver, check_step, path_lock
+from paramstore._checkpoint_saver import Saver, check_step
 from paramstore._format import PathLike
 from paramstore.typing import VariablesLike
 

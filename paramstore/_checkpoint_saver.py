@@ -122,7 +122,8 @@ class Saver:
     def _writes_sharded(self) -> bool:
         """Whether ``save`` writes the sharded (Orbax) format now."""
         if self.sharded is None:
-            return jax.process_count() > 1
+            several: bool = jax.process_count() > 1
+            return several
         if not self.sharded and jax.process_count() > 1:
             raise CheckpointError(
                 f"Saver(sharded=False) writes one file, which {jax.process_count()} "

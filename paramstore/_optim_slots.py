@@ -39,7 +39,8 @@ def _segment(key: Any, keep_index: bool) -> str | None:
     if isinstance(key, SequenceKey):
         return str(key.idx) if keep_index else None
     if isinstance(key, GetAttrKey):
-        return key.name
+        name: str = key.name
+        return name
     if isinstance(key, (DictKey, FlattenedIndexKey)):
         return str(key.key)
     return str(key)

@@ -40,7 +40,7 @@ is the same frame with an open set of variables.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ParamSpec
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import numpy as np
@@ -54,6 +54,7 @@ from paramstore.typing import PyTree, ValueLike, VariablesLike
 from paramstore.variable import Variable, VariableSlice
 
 P = ParamSpec("P")
+R = TypeVar("R")  # fn's output (Variables in it come back as their values)
 
 __all__ = [
     "State",
@@ -143,14 +144,14 @@ def _owner(kind: str, fn: Callable[..., Any]) -> str:
 
 
 def pure(
-    fn: Callable[..., Any], variables: VariablesLike, where: Where = None
-) -> Callable[..., tuple[Any, State]]:
+    fn: Callable[..., R], variables: VariablesLike, where: Where = None
+) -> Callable[..., tuple[R, State]]:
     """``fn`` as a pure function ``f(values, *args, **kw) -> (out, new_values)`` over the
     variables (those ``where`` keeps, as ``ps.state(variables, where)``)."""
     names, found = named(variables, where=where)
     owner = _owner("ps.pure", fn)
 
-    def pure_fn(values: Mapping[str, ValueLike], *args: Any, **kwargs: Any) -> tuple[Any, State]:
+    def pure_fn(values: Mapping[str, ValueLike], *args: Any, **kwargs: Any) -> tuple[R, State]:
         _, _, vals = _values_for(names, found, values)
         out, frame = _run_bound(fn, found, vals, args, kwargs, owner, _trace.PURE)
         return out, State(zip(names, map(frame.final, found)))
@@ -177,8 +178,8 @@ def update(
 
 
 def value_and_grad(
-    fn: Callable[P, Any], variables: VariablesLike, has_aux: bool = False, where: Where = None
-) -> Callable[P, tuple[Any, PyTree]]:
+    fn: Callable[P, R], variables: VariablesLike, has_aux: bool = False, where: Where = None
+) -> Callable[P, tuple[R, PyTree]]:
     """``f(*args) -> (fn(*args), grads)``; with ``has_aux``, ``fn`` returns ``(value, aux)``
     and ``f`` returns ``((value, aux), grads)``. ``where`` keeps some of the variables (the
     others leave the structure; see ``paramstore._collect``)."""
@@ -188,7 +189,7 @@ def value_and_grad(
     at = [position[id(v)] for v in parsed.variables]  # a variable listed twice: its gradient twice
     owner = _owner("ps.value_and_grad", fn)
 
-    def wrapped(*args: P.args, **kwargs: P.kwargs) -> tuple[Any, PyTree]:
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> tuple[R, PyTree]:
         values = [v.value() for v in unique]
         assigned: list[Variable] = []
 
