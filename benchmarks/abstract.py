@@ -50,6 +50,7 @@ here before JAX starts).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import re
@@ -226,6 +227,7 @@ class Bench:
             prepare, run = variants[name]
             inputs = [prepare() for _ in range(batch)]
             gc.collect()
+            _trim()  # freed arrays leave the RSS, so the peak growth counts new ones
             seen, stop = [0], threading.Event()
             watcher = threading.Thread(target=_watch_buffers, args=(seen, stop), daemon=True)
             base = _peak_rss_reset()
@@ -454,6 +456,14 @@ class Bench:
             results,
             "s",
         )
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _largest_piece() -> int:
