@@ -215,12 +215,14 @@ class Bench:
         variants: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
         repeats: int,
         batch: int = 1,
+        check: Callable[[str, Any], None] | None = None,
     ) -> dict[str, dict[str, float]]:
         """Median seconds and peak RSS growth (MiB) of each variant, ``{name: (prepare,
         run)}``: ``prepare()`` (untimed) returns the argument of ``run``; ``batch`` runs
         are timed together. Then one more run per variant with the buffer sampler on, for
         the largest single-device piece (with ``--quick``, the sampler runs in the timed
-        runs instead, to keep the smoke run short)."""
+        runs instead, to keep the smoke run short). ``check(name, output)``, if given, runs
+        on each variant's output of the timed runs (after the timing)."""
         import jax
 
         def once(name: str, sample: bool) -> tuple[float, float, float]:
@@ -242,6 +244,9 @@ class Bench:
                 stop.set()
                 watcher.join()
                 seen[0] = max(seen[0], _largest_piece())  # the results too, however fast
+            if check is not None:
+                for out in outs:
+                    check(name, out)
             del outs, inputs
             return seconds, peak, seen[0] / 2**20
 
@@ -443,13 +448,16 @@ class Bench:
             "Flax NNX: nnx.jit(Model) under jax.set_mesh": (lambda: None, nnx_init),
         }
         want = {(self.shapes[n], str(self.shardings[n])) for n in self.names}
-        for name, (prepare, run) in variants.items():  # a first run of each, checked
-            out = run(prepare())
+
+        def check(name: str, out: Any) -> None:
             arrays = jax.tree.leaves(nnx.state(out) if name.startswith("Flax") else out)
             got = {(tuple(a.shape), str(a.sharding)) for a in arrays}
             assert got == want, (name, got ^ want)
-            del out, arrays
-        results = self.measure(variants, self.args.repeats)
+
+        if not self.args.quick:  # a first run of each: one-time Python costs
+            for prepare, run in variants.values():
+                jax.block_until_ready(run(prepare()))
+        results = self.measure(variants, self.args.repeats, check=check)
         self.table(
             f"sharded init: {self.nbytes / 2**20:.0f} MiB, glorot_uniform kernels, zero "
             "biases, compiled each run",
