@@ -233,7 +233,9 @@ class _Detached(Variable):
 class _Abstract(Variable):
     """A variable with a shape, dtype and sharding but no value (``ps.abstract()``): every
     use raises ``_abstract.error``; ``_write`` (through ``set_initial_value``) gives it its
-    value and turns it into a plain ``Variable``."""
+    value and turns it into a plain ``Variable``. The one exception: where an active frame
+    binds it (``_trace.bound``: a ``ps.nn.Repeat``'s template inside its scan, or its
+    abstract build), reads and assigns see that binding, as for any variable."""
 
     __slots__ = ()
 
@@ -241,7 +243,14 @@ class _Abstract(Variable):
     def is_abstract(self) -> bool:
         return True
 
+    def _bound(self) -> bool:
+        return bool(_trace.depth) and _trace.bound(self)[0]
+
     def value(self) -> Any:
+        if _trace.depth:
+            found, value = _trace.bound(self)
+            if found:
+                return value
         raise _abstract.error(self._name, "read")
 
     read_value = value
@@ -250,14 +259,23 @@ class _Abstract(Variable):
         raise _abstract.error(self._name, "read")
 
     def assign(self, value: Any, read_value: bool = True) -> Self | None:
+        if self._bound():
+            return Variable.assign(self, value, read_value)
         raise _abstract.error(self._name, "assigned")
 
     def assign_add(self, delta: Any, read_value: bool = True) -> Self | None:
+        if self._bound():
+            return Variable.assign_add(self, delta, read_value)
         raise _abstract.error(self._name, "assigned")
 
-    assign_sub = assign_add
+    def assign_sub(self, delta: Any, read_value: bool = True) -> Self | None:
+        if self._bound():
+            return Variable.assign_sub(self, delta, read_value)
+        raise _abstract.error(self._name, "assigned")
 
     def _coerce(self, value: Any, op: str, *, host: bool = False) -> Any:
+        if self._bound():
+            return Variable._coerce(self, value, op, host=host)
         raise _abstract.error(self._name, "assigned")
 
     def __getattr__(self, name: str) -> Any:

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore import _seed, _trace
-from paramstore._jax import EVAL, current_trace, in_trace
+from paramstore._jax import EVAL, current_trace
 from paramstore._store import VariableStore
 from paramstore.function import function
 from paramstore.module import Module
@@ -59,10 +59,11 @@ from paramstore.nn._repeat_layout import (
     stack_state,
     stacked_initial,
     stacked_partition,
+    stacked_shape,
     stacked_sharding,
     unstack_state,
 )
-from paramstore.nn._repeat_template import Template, describe, learn
+from paramstore.nn._repeat_template import Template, describe, learn, sources
 from paramstore.remat import checkpoint_policy
 from paramstore.variable import Variable
 
@@ -127,17 +128,16 @@ class Repeat(Layer):
         for v in found:
             key = paths.get(id(v)) or v.name.removeprefix(own)
             keys[key] = v
-        with _trace.no_frames(), in_trace(EVAL):
-            concrete = {id(v): v.value() for v in found}
+        source = sources(t, f"Repeat '{self.scope_name}'", found)
         made: dict[str, Variable] = {}
         order = sorted(keys)
         for key in order:
             v = keys[key]
-            init = stacked_initial(
-                t.inits.get(v.name), concrete[id(v)], self.n, v.name, id(v) in streams
-            )
+            init = t.inits.get(v.name)
             made[key] = Variable(
-                init,
+                stacked_initial(init, source[id(v)], self.n, v.name, id(v) in streams)
+                if init is not None or source[id(v)] is not None
+                else stacked_shape(v, self.n),
                 trainable=v.trainable,
                 dtype=None if v._is_key else v.dtype,
                 sharding=stacked_sharding(v),
