@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore import _abstract, _seed, _trace
-from paramstore._jax import EVAL, in_trace
+from paramstore._jax import EVAL, Tracer, current_trace, in_trace, trace_of
 from paramstore._store import VariableStore
 from paramstore.module import Module
+from paramstore.nn._repeat_layout import generators
 from paramstore.variable import Variable
 
 __all__ = ["Template", "describe", "learn", "sources", "takes_training"]
@@ -118,10 +119,15 @@ def learn(t: Template, me: str, x: Any, args: tuple, kwargs: dict) -> list[Varia
             if t.takes_training:
                 p_kwargs = {**p_kwargs, "training": False}
             with _trace.no_frames(), in_trace(EVAL):
+                # the probe runs draw nothing: each layer's stream starts from the state the
+                # block's generators were made with, as in an abstract build
+                streams = [(g.state, g.state.value()) for g in generators(t.block)]
                 y = t.block(probe, *p_args, **p_kwargs)
                 before = set(map(id, t.store.variables()))
                 y2 = t.block(probe, *p_args, **p_kwargs)
                 after = t.store.variables()
+                for state, value in streams:
+                    state.assign(value, read_value=False)
     t.inits.update(inits)
     found = t.store.variables()
     if not found:
@@ -151,6 +157,19 @@ def learn(t: Template, me: str, x: Any, args: tuple, kwargs: dict) -> list[Varia
     return found
 
 
+def _stale(make: Callable[[], Any]) -> bool:
+    """Whether ``make`` returns (or fails on) a tracer of a trace that has ended: the value
+    of a variable created from a value computed inside the abstract build's trace."""
+    found: list[bool] = []
+
+    def probe() -> Any:
+        out = make()
+        found.append(isinstance(out, Tracer) and trace_of(out) is not current_trace())
+        return out
+
+    return _abstract.trace_shape(probe)[1] is not None or any(found)
+
+
 def sources(t: Template, me: str, found: list[Variable]) -> dict[int, Any]:
     """``{id(v): what a stacked copy of v starts from}`` where it has no recorded
     initializer (or is a generator's state): its concrete value, or for an abstract one the initializer
@@ -164,7 +183,7 @@ def sources(t: Template, me: str, found: list[Variable]) -> dict[int, Any]:
                 out[id(v)] = v.value()
             continue
         _, make = _abstract.initializer_of(v)
-        if make is not None and _abstract.trace_shape(make)[1] is not None:
+        if make is not None and _stale(make):
             raise ValueError(
                 f"{me}: the block {describe(t.block)} created variable '{v.name}' on its "
                 "first call from a value computed in that call, which an abstract build "
