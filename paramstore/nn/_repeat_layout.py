@@ -102,7 +102,9 @@ def stacked_initial(
     only traced for its shape."""
 
     def stacked() -> Any:
-        value = source() if callable(source) else source
+        if stream or init is None:
+            with _seed.recording():  # the template's initializer: not recorded as ours
+                value = source() if callable(source) else source
         if stream:
             key = jax.random.wrap_key_data(value)
             keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))

@@ -167,7 +167,8 @@ def _stale(make: Callable[[], Any]) -> bool:
         found.append(isinstance(out, Tracer) and trace_of(out) is not current_trace())
         return out
 
-    return _abstract.trace_shape(probe)[1] is not None or any(found)
+    with _seed.recording():  # its creation was recorded already: record it in no outer build
+        return _abstract.trace_shape(probe)[1] is not None or any(found)
 
 
 def sources(t: Template, me: str, found: list[Variable]) -> dict[int, Any]:
