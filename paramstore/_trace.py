@@ -24,6 +24,12 @@ and writes are ref effects, which every JAX transformation threads through its b
 the frame's result is the ref's final value. Straight-line code never creates a ref, so
 its jaxpr is exactly what a hand-written pure function gives.
 
+Abstract variables (``ps.abstract()``) have no value to capture or read through: they read
+and assign only what a frame binds them to (``bound``). A ``ps.nn.Repeat`` scan binds its
+abstract template block's variables to the layer slices; a ``shapes`` frame (the Repeat's
+abstract build, traced by ``jax.eval_shape``) binds any abstract variable read inside it to
+zeros staged in its trace, so a block is traced for its shapes without a value existing.
+
 ``depth`` counts active frames over all threads, so ``Variable.value()`` costs one global
 check when no frame is active anywhere.
 """

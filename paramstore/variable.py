@@ -36,7 +36,9 @@ Contract (see docs/api.md, "Variables"):
 * Where a new variable lives and how its initializer runs (docs/api.md, "Models larger than one
   device") is ``paramstore._creation``'s: an initializer with a multi-device sharding runs
   compiled with it as output sharding; inside ``ps.abstract()`` a variable is an
-  ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``).
+  ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``,
+  except where an active frame binds it to a value: ``_trace.bound``, how a
+  ``ps.nn.Repeat`` traces and scans an abstract template block).
   ``set_initial_value`` is the one way to make an abstract variable concrete with a given
   array (checkpoint restores call it, and ``ps.initialize``).
 

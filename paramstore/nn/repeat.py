@@ -5,7 +5,7 @@ Contract (docs/api.md, "Layers"; docs/guides/repeat.md):
 * ``Repeat(make_block, n, *, remat=None, name=None)`` calls ``make_block()`` once, inside
   its own name scope, and keeps the result as a *template*: its variables live in a private
   store and are never trained or saved. On the first call the template is run eagerly on
-  an input of the same shape (twice: the first call builds a lazy layer, the second must
+  an input of the same shape (only traced inside ``ps.abstract()``, below) (twice: the first call builds a lazy layer, the second must
   create nothing), which tells the block's variables, their initializers and checks that
   the block keeps its input's shape and dtype. Then each template variable becomes one
   real variable of the same full name (``repeat/block/dense/kernel``) with a leading axis
@@ -35,6 +35,12 @@ Contract (docs/api.md, "Layers"; docs/guides/repeat.md):
   partition describes the per-block shape; each stacked variable gets its template's
   ``NamedSharding`` with the stacked axis replicated in front (``P(None, *spec)``) and its
   partition with ``None`` in front.
+* Inside ``with ps.abstract():`` (the Repeat made or built there) the template is only
+  traced (``jax.eval_shape``; ``_repeat_template``): its variables are abstract, nothing of
+  the block is computed or allocated, and the stacked variables are created abstract, with
+  the names, shapes, dtypes, shardings and initializers a concrete build gives them, so
+  ``ps.initialize`` gives the same values and a checkpoint restores into them. Calling it
+  before that raises the abstract-variable ``ValueError`` naming a stacked variable.
 """
 
 from __future__ import annotations
