@@ -59,3 +59,16 @@ def test_metrics_benchmark_prints_ratios_to_the_hand_written_sums():
     out = run("metrics.py", "--quick")
     assert "ps.function + hand-written sums [reference]" in out
     assert "ps.function + ps.metrics (3 metrics)" in out and "async cpu us" in out
+
+
+@pytest.mark.slow
+def test_repeat_abstract_benchmark_prints_its_rows_and_ratios():
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "repeat_abstract.py"), "--quick", "--runs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(BENCH.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| abstract build n=48" in done.stdout and "initialize n=2 / concrete" in done.stdout
