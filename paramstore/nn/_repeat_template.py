@@ -49,7 +49,7 @@ def takes_training(fn: Callable[..., Any]) -> bool:
 
 def _probe(x: Any) -> Any:
     """A concrete stand-in (zeros) for an array argument, so the template runs eagerly."""
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
         return np.zeros(np.shape(x), x.dtype)
     return x
 
@@ -81,7 +81,8 @@ def _shaped(t: Template, me: str, x: Any, args: tuple, kwargs: dict) -> tuple[An
     Returns both outputs' ``ShapeDtypeStruct``, the ids of the variables before the second
     call, and the probe's."""
     leaves, tree = jax.tree_util.tree_flatten((x, args, kwargs))
-    where = [i for i, a in enumerate(leaves) if isinstance(a, (jax.Array, np.ndarray, np.generic))]
+    kinds = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+    where = [i for i, a in enumerate(leaves) if isinstance(a, kinds)]
     specs = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in where]
     before: set[int] = set()
 

@@ -168,7 +168,7 @@ class Repeat(Layer):
                 "Pass a shape such as (None, 16, 64)."
             )
         dims = tuple(1 if d is None else d for d in input_shape)
-        self._build_stacked(jnp.zeros(dims), (), {})
+        self._build_stacked(jax.ShapeDtypeStruct(dims, jnp.result_type(float)), (), {})
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
         """The blocks keep their input's shape, so the Repeat does too."""
