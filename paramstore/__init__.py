@@ -3,7 +3,7 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, metrics, nn, random, sharding
+from paramstore import checkpoint, initializers, metrics, nn, random, sharding, typing
 from paramstore._abstract import abstract
 from paramstore._display import display
 from paramstore._placement import device
@@ -71,6 +71,7 @@ __all__ = [
     "state",
     "summary",
     "trainable",
+    "typing",
     "update",
     "value_and_grad",
     "variable_scope",

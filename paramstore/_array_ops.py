@@ -8,6 +8,7 @@ import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 __all__ = ["ArrayOps", "unwrap"]
@@ -39,7 +40,7 @@ class ArrayOps:
     # (a JAX op that sees the traced value) instead of converting v through __array__.
     __array_priority__ = 100
 
-    def value(self) -> Any:  # pragma: no cover - overridden
+    def value(self) -> jax.Array:  # pragma: no cover - overridden
         raise NotImplementedError
 
     __add__, __radd__ = _binary(operator.add)
@@ -102,7 +103,7 @@ class ArrayOps:
             arr = arr.astype(dtype)
         return arr.copy() if copy else arr
 
-    def __jax_array__(self) -> Any:
+    def __jax_array__(self) -> jax.Array:
         return self.value()
 
     def __hash__(self) -> int:

@@ -13,17 +13,21 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import jax
 import numpy as np
 
 from paramstore import _orbax
 from paramstore._checkpoint_file import write_arrays
-from paramstore._checkpoint_io import TEMP_RE
+from paramstore._checkpoint_io import TEMP_RE, path_lock
 from paramstore._checkpoint_readers import scan
-from paramstore._checkpoint_saver import Saver, check_step, path_lock
+from paramstore._checkpoint_saver import Saver, check_step
 from paramstore._format import PathLike
+from paramstore.typing import VariablesLike
+
+if TYPE_CHECKING:
+    from paramstore.object_checkpoint import Checkpoint
 
 
 def _remove_stale_temps(directory: str) -> None:
@@ -78,33 +82,10 @@ class ThreadSave:
             raise self._error
 
 
-class _OrbaxSave:
-    """A sharded save through an Orbax AsyncCheckpointer (returns once copied to host)."""
-
-    def __init__(
-        self, path: str, values: dict[str, Any], prune: Callable[[], None], checkpointer: Any
-    ) -> None:
-        self._checkpointer = checkpointer
-        self._prune = prune
-        with path_lock(path):
-            _orbax.save(path, values, self._checkpointer)
-
-    def wait(self) -> None:
-        self._checkpointer.wait_until_finished()
-        self._prune()
-
-
-def sharded_background(
-    path: str, values: dict[str, Any], prune: Callable[[], None], checkpointer: Callable[[], Any]
-) -> Background:
-    """Start an async sharded save: ``_orbax.save_async(path, values)`` (a ``Background``)
-    where the sharded format provides it, else through the Orbax AsyncCheckpointer that
-    ``checkpointer()`` returns; ``prune`` runs once it is on disk."""
-    start = getattr(_orbax, "save_async", None)
-    if start is None:
-        return _OrbaxSave(path, values, prune, checkpointer())
-    inner: Background = start(path, values)
-    return _Then(inner, prune)
+def sharded_background(path: str, values: dict[str, Any], prune: Callable[[], None]) -> Background:
+    """Start an async sharded save (``_orbax.save_async``, which holds the path's lock until
+    the files are written); ``prune`` runs once it is on disk."""
+    return _Then(_orbax.save_async(path, values), prune)
 
 
 class _Then:
@@ -137,7 +118,7 @@ class CheckpointManager:
     def __init__(
         self,
         directory: PathLike,
-        saver_or_vars: Any = None,
+        saver_or_vars: Saver | Checkpoint | VariablesLike | None = None,
         max_to_keep: int | None = 5,
         async_save: bool = False,
         *,
@@ -148,7 +129,8 @@ class CheckpointManager:
         self.directory = os.fspath(directory)
         self._checkpoint: Any = None  # a ps.Checkpoint, which makes a Saver at each call
         if isinstance(saver_or_vars, Saver) or hasattr(saver_or_vars, "as_saver"):
-            if sharded is not None and sharded != saver_or_vars.sharded:
+            own = cast("Saver | Checkpoint", saver_or_vars)
+            if sharded is not None and sharded != own.sharded:
                 raise ValueError(
                     "CheckpointManager: sharded= conflicts with the Saver's or Checkpoint's "
                     "own setting; give it to that object."
@@ -163,7 +145,6 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self._pending: Background | None = None  # the save in flight (async_save)
         self._lock = threading.RLock()  # one save (or wait) at a time
-        self._orbax_async: Any = None  # an Orbax AsyncCheckpointer, made on first use
         if jax.process_index() == 0:
             os.makedirs(self.directory, exist_ok=True)
             _remove_stale_temps(self.directory)
@@ -218,7 +199,7 @@ class CheckpointManager:
                         _orbax.save(path, values)
                     self._prune()
                     return path
-                self._start(sharded_background(path, values, self._prune, self._checkpointer))
+                self._start(sharded_background(path, values, self._prune))
                 return path
             if not self.async_save:
                 self._write(path, saver._snapshot(copy=False))
@@ -226,11 +207,6 @@ class CheckpointManager:
             arrays = saver._snapshot(copy=True)
             self._start(ThreadSave(lambda: self._write(path, arrays), path))
             return path
-
-    def _checkpointer(self) -> Any:
-        if self._orbax_async is None:
-            self._orbax_async = _orbax.async_checkpointer()
-        return self._orbax_async
 
     def _start(self, pending: Background) -> None:
         self._pending = pending

@@ -34,6 +34,7 @@ from paramstore._format import (
 from paramstore._ownership import ownership
 from paramstore._safetensors import check_name
 from paramstore.scope import default_store
+from paramstore.typing import ShardingTargets, VariablesLike
 from paramstore.variable import Variable, set_initial_value
 
 
@@ -69,7 +70,9 @@ class Saver:
     processes). ``restore`` reads either.
     """
 
-    def __init__(self, var_list: Any = None, *, sharded: bool | None = None) -> None:
+    def __init__(
+        self, var_list: VariablesLike | None = None, *, sharded: bool | None = None
+    ) -> None:
         if sharded is not None and not isinstance(sharded, bool):
             raise TypeError(f"Saver: sharded must be None, True or False, got {sharded!r}.")
         self.sharded = sharded
@@ -119,7 +122,8 @@ class Saver:
     def _writes_sharded(self) -> bool:
         """Whether ``save`` writes the sharded (Orbax) format now."""
         if self.sharded is None:
-            return jax.process_count() > 1
+            several: bool = jax.process_count() > 1
+            return several
         if not self.sharded and jax.process_count() > 1:
             raise CheckpointError(
                 f"Saver(sharded=False) writes one file, which {jax.process_count()} "
@@ -154,7 +158,7 @@ class Saver:
         path: PathLike,
         allow_missing: bool = False,
         *,
-        sharding: Any = None,
+        sharding: ShardingTargets | None = None,
         allow_unverified: bool = False,
     ) -> list[Variable]:
         """Fill the variables in place from a checkpoint (anything ``list_variables``

@@ -37,6 +37,7 @@ import jax
 from paramstore._store import State, VariableStore
 from paramstore._traverse import walk
 from paramstore.module import Module
+from paramstore.typing import VariablesLike
 from paramstore.variable import Variable
 
 __all__ = [
@@ -248,7 +249,7 @@ class Parsed:
         return self.spec.flatten(tree, "")
 
 
-def parse(collection: Any, *, trainable: bool = False, where: Where = None) -> Parsed:
+def parse(collection: VariablesLike, *, trainable: bool = False, where: Where = None) -> Parsed:
     """Parse ``collection`` (see the module docstring); ``trainable``: a Module gives its
     trainable variables. A ``where`` that keeps nothing raises ValueError."""
     keep = _predicate(where)
@@ -267,13 +268,13 @@ def _unique(found: Any) -> list[Variable]:
     return list({id(v): v for v in found}.values())
 
 
-def variables_of(collection: Any, where: Where = None) -> list[Variable]:
+def variables_of(collection: VariablesLike, where: Where = None) -> list[Variable]:
     """Every variable of ``collection``, each once, in order (see the module docstring)."""
     return _unique(parse(collection, where=where).variables)
 
 
 def named(
-    collection: Any, *, strings: bool = False, where: Where = None
+    collection: VariablesLike, *, strings: bool = False, where: Where = None
 ) -> tuple[list[str], list[Variable]]:
     """Names and variables, each once: a top-level dict's keys, else each variable's full
     name. String variables (host data) are left out unless ``strings``. Two variables of
@@ -297,6 +298,6 @@ def named(
     return names, [v for _, v in items]
 
 
-def structured(collection: Any, where: Where = None) -> Parsed:
+def structured(collection: VariablesLike, where: Where = None) -> Parsed:
     """What ``ps.grad`` differentiates: a Module's trainable variables, duplicates kept."""
     return parse(collection, trainable=True, where=where)

@@ -47,7 +47,8 @@ def human_bytes(n: int) -> str:
 def nbytes(v: Any) -> int:
     """The bytes of a variable's array (0 for strings)."""
     try:
-        return int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
+        itemsize: int = np.dtype(v.dtype).itemsize
+        return int(np.prod(v.shape, dtype=np.int64)) * itemsize
     except TypeError:
         return 0
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping
 from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
@@ -147,10 +147,10 @@ class LayoutMap(Layouts):
     def __len__(self) -> int:
         return len(self._layouts)
 
-    def keys(self) -> Any:
+    def keys(self) -> KeysView[str]:
         return self._layouts.keys()
 
-    def items(self) -> Any:
+    def items(self) -> ItemsView[str, Layout]:
         return self._layouts.items()
 
     def get(self, name: str, default: Layout = None) -> Layout:

@@ -28,6 +28,8 @@ from typing import Any
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from paramstore._ownership import ownership
+
 __all__ = ["slot_names", "hyperparam_leaves", "state_sharding", "replicated_like"]
 
 Path = tuple[Any, ...]
@@ -37,7 +39,8 @@ def _segment(key: Any, keep_index: bool) -> str | None:
     if isinstance(key, SequenceKey):
         return str(key.idx) if keep_index else None
     if isinstance(key, GetAttrKey):
-        return key.name
+        name: str = key.name
+        return name
     if isinstance(key, (DictKey, FlattenedIndexKey)):
         return str(key.key)
     return str(key)
@@ -115,7 +118,7 @@ def state_sharding(owner: Any, leaf: Any, replicated: Sharding | None) -> Shardi
     (None for shared state); see the module docstring. Create it inside ``unplaced()``."""
     if owner is None or tuple(owner.shape) != tuple(leaf.shape):
         want = replicated
-    elif getattr(owner._value, "committed", True):
+    elif getattr(ownership.peek(owner), "committed", True):  # metadata only: peek
         want = owner.sharding
     else:  # the parameter has no placement: neither has its slot
         return None

@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from paramstore import _orbax_integrity as integrity
+from paramstore._checkpoint_io import path_lock
 from paramstore._format import CheckpointError
 
 FORMAT = "paramstore-sharded"
@@ -49,8 +50,6 @@ META = "paramstore"
 _META_FILE = "metadata"
 _STRING = np.dtypes.StringDType()
 PEER_TIMEOUT = 600.0  # seconds process 0 waits for the other processes' files
-_PATH_LOCKS: dict[str, threading.Lock] = {}
-_PATH_LOCKS_LOCK = threading.Lock()
 
 
 class FormatError(ValueError):
@@ -222,11 +221,6 @@ def _handler(ocp: Any) -> Any:
     )
 
 
-def _path_lock(path: str) -> threading.Lock:
-    with _PATH_LOCKS_LOCK:
-        return _PATH_LOCKS.setdefault(path, threading.Lock())
-
-
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils = importlib.import_module("jax.experimental.multihost_utils")
@@ -248,7 +242,9 @@ def save(path: str, values: Mapping[str, Any], checkpointer: AsyncWriter | None 
     """Write ``{name: jax.Array | NumPy string array}`` as a sharded checkpoint at ``path``
     (replacing one there). Every process must call it with the same names. With an
     ``AsyncWriter`` it returns once the values are copied off the devices; the writer's
-    ``wait_until_finished`` completes it. Saves to one path are serialized."""
+    ``wait_until_finished`` completes it. The caller holds ``path_lock(path)`` (the one lock
+    of a checkpoint path, ``_checkpoint_io``); an ``AsyncWriter`` takes it itself and holds
+    it until the files are written, so no reader or other save sees a save in flight."""
     ocp = orbax()
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
@@ -257,11 +253,10 @@ def save(path: str, values: Mapping[str, Any], checkpointer: AsyncWriter | None 
     if checkpointer is not None:
         checkpointer.save(path, values)
         return path
-    with _path_lock(path):
-        plan = _Plan(path, values)
-        _write_arrays(ocp, ocp.Checkpointer(_handler(ocp)), plan)
-        plan.finish()
-        _barrier("paramstore.sharded.saved")
+    plan = _Plan(path, values)
+    _write_arrays(ocp, ocp.Checkpointer(_handler(ocp)), plan)
+    plan.finish()
+    _barrier("paramstore.sharded.saved")
     return path
 
 
@@ -281,8 +276,8 @@ class AsyncWriter:
 
     def save(self, path: str, values: Mapping[str, Any]) -> None:
         self.wait_until_finished()
-        lock = _path_lock(path)
-        lock.acquire()  # released by the background thread
+        lock = path_lock(path)
+        lock.acquire()  # released by the background thread, once the files are written
         try:
             plan = _Plan(path, values)
             _write_arrays(self._ocp, self._checkpointer, plan)
@@ -323,10 +318,6 @@ class AsyncWriter:
     def wait(self) -> None:
         """``wait_until_finished`` (the ``CheckpointManager``'s ``Background`` protocol)."""
         self.wait_until_finished()
-
-
-def async_checkpointer() -> AsyncWriter:
-    return AsyncWriter()
 
 
 def save_async(path: str, values: Mapping[str, Any]) -> AsyncWriter:

@@ -223,7 +223,8 @@ class ShardedCheckpoint:
 def _nbytes(e: Mapping[str, Any]) -> int:
     if "strings" in e:
         return sum(len(t.encode("utf-8", "surrogatepass")) for t in e["strings"])
-    return math.prod(e["shape"]) * e["dtype"].itemsize
+    size: int = math.prod(e["shape"]) * e["dtype"].itemsize
+    return size
 
 
 def load(path: str, wanted: Mapping[str, tuple[dict[str, Any], Any]]) -> dict[str, Any]:

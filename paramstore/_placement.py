@@ -16,14 +16,16 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.typing import ArrayLike
 
 from paramstore._context import ctx
 from paramstore._jax import device_assignment
+from paramstore.typing import DeviceLike, PlacementLike
 
 __all__ = [
     "Layouts",
@@ -87,13 +89,13 @@ def resolve_device(spec: str | jax.Device) -> jax.Device:
 
 
 @contextlib.contextmanager
-def device(spec: str | jax.Device | Sharding | Mesh | Layouts) -> Iterator[Any]:
+def device(spec: PlacementLike) -> Iterator[jax.Device | Sharding | Layouts]:
     """Place the Variables created inside this block on ``spec``: a device (``"cpu:0"``,
     ``"gpu:1"``, a ``jax.Device``), a ``Sharding``, a ``Mesh`` (replicated over it), or a
     ``ps.sharding.LayoutMap`` (each variable as its name maps). Yields the ``jax.Device``
     (or the sharding, or the layout map)."""
-    target: Any
-    given: Any
+    target: Sharding | Layouts
+    given: jax.Device | Sharding | Layouts
     if isinstance(spec, Layouts):
         target = given = spec
     elif isinstance(spec, Mesh):
@@ -128,7 +130,9 @@ def current_placement() -> Sharding | Layouts | None:
     return stack[-1] if stack else None
 
 
-def placement(device: Any = None, sharding: Sharding | None = None) -> Sharding | Layouts | None:
+def placement(
+    device: DeviceLike | Sharding | None = None, sharding: Sharding | Mesh | None = None
+) -> Sharding | Layouts | None:
     """The sharding a new variable asks for: explicit sharding, device, context (a
     ``Layouts`` map there is resolved by ``paramstore._layout.target``), or None."""
     if sharding is not None and device is not None:
@@ -211,12 +215,16 @@ def check_fits(sharding: Sharding, shape: tuple[int, ...], what: str) -> None:
         ) from None
 
 
-def place(value: Any, sharding: Sharding | None, what: str) -> Any:
+_Value = TypeVar("_Value", bound=ArrayLike)
+
+
+def place(value: _Value, sharding: Sharding | None, what: str) -> _Value | jax.Array:
     """``value`` put onto ``sharding`` after ``check_fits`` (None: as it is)."""
     if sharding is None:
         return value
     check_fits(sharding, tuple(np.shape(value)), what)
-    return jax.device_put(value, sharding)
+    placed: jax.Array = jax.device_put(value, sharding)
+    return placed
 
 
 # ---------------------------------------------------------------------------- placement

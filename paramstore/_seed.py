@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+from jax.typing import ArrayLike
 
 from paramstore._context import ctx
 
@@ -49,7 +50,7 @@ def _name_to_int(name: str) -> int:
 
 @contextlib.contextmanager
 def naming(
-    full_name: str, initializer: Callable[[], Any] | None = None, *, index: Any = None
+    full_name: str, initializer: Callable[[], Any] | None = None, *, index: ArrayLike | None = None
 ) -> Iterator[None]:
     """Within this block, ``named_key()`` derives keys from ``full_name`` (and ``index``).
 

@@ -11,6 +11,7 @@ from paramstore._array_ops import ArrayOps, unwrap
 from paramstore._context import STATE_LOCK
 from paramstore._dtypes import shape_error
 from paramstore._initial import broadcasts
+from paramstore.typing import Index, ValueLike
 
 if TYPE_CHECKING:
     from paramstore.variable import Variable
@@ -24,11 +25,11 @@ class VariableSlice(ArrayOps):
 
     __slots__ = ("_var", "_index")
 
-    def __init__(self, var: Variable, index: Any) -> None:
+    def __init__(self, var: Variable, index: Index) -> None:
         self._var = var
         self._index = unwrap(index)
 
-    def value(self) -> Any:
+    def value(self) -> jax.Array:
         return self._var.value()[self._index]
 
     read_value = value
@@ -50,19 +51,19 @@ class VariableSlice(ArrayOps):
         except Exception:  # e.g. a traced index: only JAX knows
             return tuple(self.value().shape)
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: Index) -> jax.Array:
         return self.value()[unwrap(index)]
 
     def __repr__(self) -> str:
         return f"<ps.Variable '{self._var.name}'[{self._index!r}] value={self.value()!r}>"
 
-    def assign(self, value: Any, read_value: bool = True) -> Variable | None:
+    def assign(self, value: ValueLike, read_value: bool = True) -> Variable | None:
         return self._scatter(value, "set", exact=True, read_value=read_value)
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Variable | None:
+    def assign_add(self, delta: ValueLike, read_value: bool = True) -> Variable | None:
         return self._scatter(delta, "add", exact=False, read_value=read_value)
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Variable | None:
+    def assign_sub(self, delta: ValueLike, read_value: bool = True) -> Variable | None:
         return self._scatter(delta, "subtract", exact=False, read_value=read_value)
 
     def _scatter(self, value: Any, how: str, exact: bool, read_value: bool) -> Variable | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -126,9 +126,17 @@ class VariableStore:
             self._order[full] = len(self._order)
             return full
 
-    def _share(self, var: Tracked) -> None:
+    def get_or_create(self, name: str, make: Callable[[Tracked | None], Tracked]) -> Tracked:
+        """``make(existing)`` with the live variable of full name ``name`` (None if there is
+        none), under this store's lock: one step, so threads racing on one name get one
+        variable. A variable ``make`` returns other than ``existing`` is then held strongly
+        by the store (``get_variable``'s variables are shared state)."""
         with self._lock:
-            self._shared[var.name] = var
+            existing = self._live.get(name)
+            var = make(existing)
+            if var is not existing:
+                self._shared[var.name] = var
+            return var
 
     def _forget(self, var: Tracked) -> None:
         with self._lock:

@@ -16,13 +16,17 @@ This module imports only ``paramstore.variable``, so ``module.py`` may use it to
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from paramstore._html import human_bytes
+from paramstore.typing import HasVariables
 from paramstore.variable import Variable
+
+if TYPE_CHECKING:
+    from paramstore.module import Module
 
 __all__ = ["summary", "summary_html"]
 
@@ -91,7 +95,13 @@ def _table(obj: Any) -> tuple[str, list[tuple[str, ...]], list[str]]:
     return title, rows, totals
 
 
-def summary(module_or_variables: Any) -> str:
+def summary(
+    module_or_variables: Variable
+    | Module
+    | HasVariables
+    | Mapping[Any, Variable]
+    | Sequence[Variable],
+) -> str:
     """A text table of the variables (see the module docstring)."""
     title, rows, totals = _table(module_or_variables)
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(_HEAD)]

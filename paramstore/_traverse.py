@@ -87,7 +87,8 @@ def _segment(key: Any) -> str:
     if isinstance(key, SequenceKey):
         return str(key.idx)
     if isinstance(key, GetAttrKey):
-        return key.name
+        name: str = key.name
+        return name
     if isinstance(key, (DictKey, FlattenedIndexKey)):
         return str(key.key)
     return str(key)

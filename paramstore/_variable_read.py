@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Sharding
 
 from paramstore import _html, _trace
 from paramstore._array_ops import ArrayOps
@@ -32,7 +33,7 @@ class Reads(ArrayOps):
     _given: int
     _name: str
     _trainable: bool
-    _dtype: Any
+    _dtype: np.dtype[Any]
     _shape: tuple[int, ...]
     _is_string: bool
     _is_key: bool
@@ -40,13 +41,15 @@ class Reads(ArrayOps):
     _delta_aval: Any
     _partition: tuple[Any, ...] | None
 
-    def value(self) -> Any:
-        """The current array (inside ``ps.function`` / ``ps.pure``, the traced value)."""
+    def value(self) -> jax.Array:
+        """The current array (inside ``ps.function`` / ``ps.pure``, the traced value). A
+        string variable's is a NumPy ``StringDType`` array (host data)."""
+        # (The ignores, not cast(): a cast is a call, on the hottest read path.)
         if _trace.depth:
-            return _trace.read(self)
+            return _trace.read(self)  # type: ignore[no-any-return]
         if current_trace() is not EVAL:
-            return _trace.outside(self)
-        return ownership.hand_out(self)
+            return _trace.outside(self)  # type: ignore[no-any-return]
+        return ownership.hand_out(self)  # type: ignore[no-any-return]
 
     read_value = value
 
@@ -66,7 +69,7 @@ class Reads(ArrayOps):
         return self._trainable
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> np.dtype[Any]:
         """A ``np.dtype`` (a JAX key dtype for a key variable)."""
         return self._dtype
 
@@ -94,12 +97,12 @@ class Reads(ArrayOps):
         return False
 
     @property
-    def sharding(self) -> Any:
+    def sharding(self) -> Sharding | None:
         """The value's ``jax.sharding.Sharding`` (None for a string variable)."""
         return None if self._is_string else ownership.peek(self).sharding
 
     @property
-    def device(self) -> Any:
+    def device(self) -> jax.Device | None:
         """The ``jax.Device`` holding the value; None when sharded over several (or strings)."""
         sharding = None if self._is_string else ownership.peek(self).sharding
         if sharding is None:

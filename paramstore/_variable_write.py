@@ -31,6 +31,7 @@ from paramstore._initial import broadcasts, fresh, utf8
 from paramstore._jax import ARRAY_TYPE, EVAL, Tracer, current_trace, staging
 from paramstore._ownership import ownership
 from paramstore._variable_read import Reads
+from paramstore.typing import ValueLike
 
 __all__ = ["Writes"]
 
@@ -57,7 +58,7 @@ class Writes(Reads):
 
     __slots__ = ()
 
-    def assign(self, value: Any, read_value: bool = True) -> Self | None:
+    def assign(self, value: ValueLike, read_value: bool = True) -> Self | None:
         """Replace the value. Raises ValueError (shape) or TypeError (dtype); then no change."""
         new = self._coerce(value, "assign")
         if new.shape != self._shape:
@@ -65,12 +66,12 @@ class Writes(Reads):
         self._swap(new, owned=fresh(value, new))
         return self if read_value else None
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Self | None:
+    def assign_add(self, delta: ValueLike, read_value: bool = True) -> Self | None:
         """``self += delta`` atomically (delta broadcasts to the variable's shape)."""
         self._update(delta, "add")
         return self if read_value else None
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Self | None:
+    def assign_sub(self, delta: ValueLike, read_value: bool = True) -> Self | None:
         """``self -= delta`` atomically (delta broadcasts to the variable's shape)."""
         self._update(delta, "subtract")
         return self if read_value else None

@@ -89,7 +89,8 @@ def load_variable(path: PathLike, name: str, *, allow_unverified: bool = False) 
     with opened(path, allow_unverified) as r:
         if name not in r.entries and name not in getattr(r, "skipped", {}):
             raise no_such_variable(r.path, name, r.entries)
-        return r.load({name: None})[name]
+        value: np.ndarray = r.load({name: None})[name]
+        return value
 
 
 def read_arrays(path: PathLike, *, allow_unverified: bool = False) -> dict[str, np.ndarray]:

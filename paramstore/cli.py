@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from paramstore import checkpoint
+from paramstore._checkpoint_readers import opened
 from paramstore._format import (
     CheckpointError,
     EntryInfo,
@@ -74,7 +74,7 @@ def table(rows: list[list[str]]) -> str:
 
 def render(path: PathLike, values: bool = False, name: str | None = None) -> str:
     """The text ``inspect`` prints (CheckpointError / OSError for a bad path or name)."""
-    with checkpoint.opened(path) as r:
+    with opened(path) as r:
         entries: list[EntryInfo] = sorted(r.entries.values(), key=lambda e: e.name)
         if name is not None:
             chosen = [e for e in entries if fnmatch.fnmatchcase(e.name, name)]

@@ -22,8 +22,9 @@ identity of Variables/Modules passed as arguments) the function is traced **once
 
 Donation. A variable that the function both reads and assigns has its input buffer
 donated, so XLA updates it in place, but only a buffer the variable owns (one that came
-out of its own computation, see ``variable``) and that nobody else holds (the reference
-count): any other is copied first, so an array the user holds stays valid. A program with
+out of its own computation) and that was never handed out (``value()``, ``np.asarray``, a
+step's output...: ``_ownership`` records each hand-out by identity, no reference counts):
+any other is copied once first, so an array the user holds stays valid. A program with
 host callbacks (``jax.debug.callback``, ``io_callback`` ...), which can raise while it
 runs, donates nothing and is waited for before its results are swapped in, so a run-time
 error leaves every variable as it was. ``donate=False`` turns donation off.
@@ -178,7 +179,7 @@ class Function(Generic[P, R]):
             self._fast[fast_key] = entry
         return entry(leaves)  # type: ignore[no-any-return]
 
-    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> jax.stages.Lowered:
         """JAX's ``Lowered`` for the program a call with these arguments runs (its
         ``as_text()``, ``compile()``, ``cost_analysis()``...), without running it or
         changing a variable (a first call's trace may still create variables)."""
@@ -193,11 +194,12 @@ class Function(Generic[P, R]):
 
         def spec(v: Variable) -> jax.ShapeDtypeStruct:
             x = ownership.peek(v)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # type: ignore[no-untyped-call]
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
-        return entry.runner.lower(  # type: ignore[attr-defined]
+        lowered: jax.stages.Lowered = entry.runner.lower(  # type: ignore[attr-defined]
             [spec(v) for v in entry.donated], [spec(v) for v in entry.readonly], leaves
         )
+        return lowered
 
     def _entry(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -40,7 +40,7 @@ is the same frame with an open set of variables.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import numpy as np
@@ -50,7 +50,11 @@ from paramstore._collect import Where, named, non_trainable, structured, trainab
 from paramstore._context import STATE_LOCK
 from paramstore._dtypes import shape_error
 from paramstore._store import State
+from paramstore.typing import PyTree, ValueLike, VariablesLike
 from paramstore.variable import Variable, VariableSlice
+
+P = ParamSpec("P")
+R = TypeVar("R")  # fn's output (Variables in it come back as their values)
 
 __all__ = [
     "State",
@@ -65,7 +69,7 @@ __all__ = [
 ]
 
 
-def state(vars_or_module: Any, where: Where = None) -> State:
+def state(vars_or_module: VariablesLike, where: Where = None) -> State:
     """The current values as an immutable ``{name: jax.Array}`` pytree; ``where`` keeps
     the variables it holds for (a callable, or a regular expression searched in the
     names; one that keeps nothing raises ValueError)."""
@@ -121,8 +125,8 @@ def _run_bound(
     fn: Callable[..., Any],
     variables: list[Variable],
     values: list[Any],
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     owner: str,
     kind: int,
 ) -> tuple[Any, _trace.Frame]:
@@ -140,14 +144,14 @@ def _owner(kind: str, fn: Callable[..., Any]) -> str:
 
 
 def pure(
-    fn: Callable[..., Any], variables: Any, where: Where = None
-) -> Callable[..., tuple[Any, State]]:
+    fn: Callable[..., R], variables: VariablesLike, where: Where = None
+) -> Callable[..., tuple[R, State]]:
     """``fn`` as a pure function ``f(values, *args, **kw) -> (out, new_values)`` over the
     variables (those ``where`` keeps, as ``ps.state(variables, where)``)."""
     names, found = named(variables, where=where)
     owner = _owner("ps.pure", fn)
 
-    def pure_fn(values: Any, *args: Any, **kwargs: Any) -> tuple[Any, State]:
+    def pure_fn(values: Mapping[str, ValueLike], *args: Any, **kwargs: Any) -> tuple[R, State]:
         _, _, vals = _values_for(names, found, values)
         out, frame = _run_bound(fn, found, vals, args, kwargs, owner, _trace.PURE)
         return out, State(zip(names, map(frame.final, found)))
@@ -157,7 +161,9 @@ def pure(
     return pure_fn
 
 
-def update(vars_or_module: Any, values: Any, partial: bool = False) -> None:
+def update(
+    vars_or_module: VariablesLike, values: Mapping[str, ValueLike], partial: bool = False
+) -> None:
     """Assign ``values`` (a state) back to the variables, all or nothing. Every variable
     must be named in ``values`` (KeyError otherwise); with ``partial=True`` only the names
     present are assigned, and a name that is not a variable's raises KeyError."""
@@ -172,8 +178,8 @@ def update(vars_or_module: Any, values: Any, partial: bool = False) -> None:
 
 
 def value_and_grad(
-    fn: Callable[..., Any], variables: Any, has_aux: bool = False, where: Where = None
-) -> Callable[..., tuple[Any, Any]]:
+    fn: Callable[P, R], variables: VariablesLike, has_aux: bool = False, where: Where = None
+) -> Callable[P, tuple[R, PyTree]]:
     """``f(*args) -> (fn(*args), grads)``; with ``has_aux``, ``fn`` returns ``(value, aux)``
     and ``f`` returns ``((value, aux), grads)``. ``where`` keeps some of the variables (the
     others leave the structure; see ``paramstore._collect``)."""
@@ -183,7 +189,7 @@ def value_and_grad(
     at = [position[id(v)] for v in parsed.variables]  # a variable listed twice: its gradient twice
     owner = _owner("ps.value_and_grad", fn)
 
-    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> tuple[R, PyTree]:
         values = [v.value() for v in unique]
         assigned: list[Variable] = []
 
@@ -206,12 +212,12 @@ def value_and_grad(
 
 
 def grad(
-    fn: Callable[..., Any], variables: Any, has_aux: bool = False, where: Where = None
-) -> Callable[..., Any]:
+    fn: Callable[P, Any], variables: VariablesLike, has_aux: bool = False, where: Where = None
+) -> Callable[P, PyTree]:
     """``f(*args) -> grads`` of ``fn`` w.r.t. ``variables`` (with ``has_aux``: ``(grads, aux)``)."""
     vg = value_and_grad(fn, variables, has_aux=has_aux, where=where)
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> PyTree:
         out, grads = vg(*args, **kwargs)
         return (grads, out[1]) if has_aux else grads
 

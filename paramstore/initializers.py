@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from . import random as _psrandom
+from .typing import Initializer, InitializerLike, ShapeLike
 
 __all__ = [
     "resolve",
@@ -69,17 +70,10 @@ __all__ = [
     "orthogonal",
 ]
 
-Shape = int | Sequence[int]
 _Draw = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
 
-class Initializer(Protocol):
-    """What every factory in this module returns."""
-
-    def __call__(self, shape: Shape, dtype: DTypeLike = jnp.float32) -> jax.Array: ...
-
-
-def resolve(initializer: Any) -> Any:
+def resolve(initializer: InitializerLike) -> InitializerLike:
     """An initializer given uncalled, as TF1 accepts it (``initializer=zeros`` rather than
     ``zeros()``), called with no arguments; anything else unchanged. A factory that needs
     arguments (``constant``) raises TypeError saying to call it."""
@@ -89,11 +83,11 @@ def resolve(initializer: Any) -> Any:
             "ps.initializers.constant(value)."
         )
     if any(initializer is f for f in _FACTORIES):
-        return initializer()
+        return cast(Callable[[], Initializer], initializer)()
     return initializer
 
 
-def _shape(shape: Shape) -> tuple[int, ...]:
+def _shape(shape: ShapeLike) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
     out = tuple(operator.index(d) for d in dims)
     if any(d < 0 for d in out):
@@ -102,7 +96,7 @@ def _shape(shape: Shape) -> tuple[int, ...]:
 
 
 def _deterministic(name: str, fill: Callable[[tuple[int, ...], Any], jax.Array]) -> Initializer:
-    def init(shape: Shape, dtype: DTypeLike = jnp.float32) -> jax.Array:
+    def init(shape: ShapeLike, dtype: DTypeLike = jnp.float32) -> jax.Array:
         return fill(_shape(shape), jnp.dtype(dtype))
 
     init.__qualname__ = init.__name__ = name
@@ -118,7 +112,7 @@ def _random(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
         raise TypeError(f"{name}: seed must be an int, got {type(seed).__name__}.")
 
-    def init(shape: Shape, dtype: DTypeLike = jnp.float32) -> jax.Array:
+    def init(shape: ShapeLike, dtype: DTypeLike = jnp.float32) -> jax.Array:
         shape_, dtype_ = _shape(shape), jnp.dtype(dtype)
         if not jnp.issubdtype(dtype_, jnp.floating):
             raise TypeError(f"{name} initializer needs a floating dtype, got {dtype_}.")

@@ -24,12 +24,11 @@ Losses are optax's; docs/metrics.md has the Keras-to-optax names.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from paramstore.module import Module
+from paramstore.typing import ValueLike
 from paramstore.variable import Variable
 
 __all__ = [
@@ -80,7 +79,7 @@ class Metric(Module):
         return f"<ps.metrics.{type(self).__name__} '{self.scope_name}'>"
 
     def _samplewise(
-        self, values: Any, sample_weight: Any, mean: bool
+        self, values: ValueLike, sample_weight: ValueLike | None, mean: bool
     ) -> tuple[Array, Array | None]:
         """Keras' ``reduce_to_samplewise_values`` with shape checks (see the docstring)."""
         values = jnp.asarray(values, jnp.float32)
@@ -115,7 +114,7 @@ class Sum(Metric):
     def __init__(self, name: str | None = None) -> None:
         self.total = _zero("total")
 
-    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+    def update_state(self, values: ValueLike, sample_weight: ValueLike | None = None) -> None:
         values, _ = self._samplewise(values, sample_weight, mean=False)
         self.total.assign_add(jnp.sum(values), read_value=False)
 
@@ -132,10 +131,10 @@ class Mean(Metric):
         self.total = _zero("total")
         self.count = _zero("count")
 
-    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+    def update_state(self, values: ValueLike, sample_weight: ValueLike | None = None) -> None:
         self._add(values, sample_weight)
 
-    def _add(self, values: Any, sample_weight: Any) -> None:
+    def _add(self, values: ValueLike, sample_weight: ValueLike | None) -> None:
         values, weight = self._samplewise(values, sample_weight, mean=True)
         if weight is not None:
             n = jnp.sum(weight)
@@ -162,7 +161,9 @@ class Mean(Metric):
 class _MeanOf(Mean):
     """Keras' ``MeanMetricWrapper``: the mean of ``fn(y_true, y_pred)`` per sample."""
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+    def update_state(  # type: ignore[override]
+        self, y_true: ValueLike, y_pred: ValueLike, sample_weight: ValueLike | None = None
+    ) -> None:
         self._add(self._values(jnp.asarray(y_true), jnp.asarray(y_pred)), sample_weight)
 
     def _values(self, y_true: Array, y_pred: Array) -> Array:

@@ -23,6 +23,7 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from paramstore import _html, _training
@@ -109,7 +110,7 @@ class Module(Node):
         return self._module_name
 
     @property
-    def name_scope(self) -> Any:
+    def name_scope(self) -> AbstractContextManager[None]:
         """A context manager that re-enters this module's (unique) name scope."""
         return _scope._absolute_scope(self._scope_name)
 

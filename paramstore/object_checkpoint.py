@@ -48,6 +48,7 @@ from paramstore._format import CheckpointError, PathLike
 from paramstore._store import preview_names
 from paramstore._traverse import walk
 from paramstore.module import Module
+from paramstore.typing import Trackable
 from paramstore.variable import Variable, set_initial_value
 
 __all__ = ["Checkpoint", "CheckpointStatus"]
@@ -196,7 +197,7 @@ class Checkpoint:
         ckpt.restore(path).assert_consumed()
     """
 
-    def __init__(self, *, sharded: bool | None = None, **objects: Any) -> None:
+    def __init__(self, *, sharded: bool | None = None, **objects: Trackable) -> None:
         if not objects:
             raise ValueError("ps.Checkpoint needs at least one object: Checkpoint(model=m).")
         for key, obj in objects.items():

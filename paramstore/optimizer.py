@@ -70,8 +70,8 @@ Contract (docs/api.md, "Optimizers"):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +86,7 @@ from paramstore._placement import unplaced
 from paramstore._traverse import Key, Relative
 from paramstore.function import function
 from paramstore.module import Module
+from paramstore.typing import ValueLike, VariablesLike
 from paramstore.variable import Variable
 
 __all__ = ["Optimizer"]
@@ -107,13 +108,16 @@ _OWN_ATTRIBUTES = frozenset(
 )
 
 
-class _Hidden:
+_T = TypeVar("_T")
+
+
+class _Hidden(Generic[_T]):
     """A holder that ``Module`` traversal does not look into: the optimizer's own
     references to the variables it updates must not make them its ``variables``."""
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: _T) -> None:
         self.value = value
 
 
@@ -157,7 +161,7 @@ class Optimizer(Module):
     def __init__(
         self,
         tx: optax.GradientTransformation,
-        variables: Any,
+        variables: VariablesLike,
         *,
         name: str | None = None,
         jit_compile: bool = True,
@@ -247,7 +251,7 @@ class Optimizer(Module):
         return self._targets.value.variables
 
     @property
-    def opt_state(self) -> Any:
+    def opt_state(self) -> optax.OptState:
         """The current optax state, as ``tx.init`` structured it (arrays, not Variables)."""
         return jax.tree_util.tree_unflatten(
             self._treedef, [v.value() for v in self._state_variables]
@@ -292,7 +296,7 @@ class Optimizer(Module):
             f"This optimizer has no hyperparameter '{name}'; it has {sorted(self.hyperparams)}."
         )
 
-    def set_hyperparam(self, name: str, value: Any) -> None:
+    def set_hyperparam(self, name: str, value: ValueLike) -> None:
         """Assign an injected hyperparameter (see ``get_hyperparam``); the next step uses it,
         with no retrace. Works eagerly and inside ``ps.function``."""
         self.get_hyperparam(name).assign(value, read_value=False)
@@ -306,12 +310,16 @@ class Optimizer(Module):
             raise AttributeError(e.args[0]) from None
 
     @learning_rate.setter
-    def learning_rate(self, value: Any) -> None:
+    def learning_rate(self, value: ValueLike) -> None:
         self.set_hyperparam("learning_rate", value)
 
     # ------------------------------------------------------------------ the step
 
-    def apply_gradients(self, grads_and_vars: Any, **extra_args: Any) -> None:
+    def apply_gradients(
+        self,
+        grads_and_vars: optax.Updates | Iterable[tuple[ValueLike | None, Variable]],
+        **extra_args: Any,
+    ) -> None:
         """Apply one optimizer step. ``grads_and_vars``: gradients in the structure of the
         variables (as ``ps.grad`` returns them), or ``zip(grads, vars)``. ``extra_args``
         are passed to ``tx.update``. On an error nothing changes."""

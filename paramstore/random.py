@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from paramstore import _seed, _trace
 from paramstore._context import STATE_LOCK
@@ -78,7 +79,9 @@ def _key_data(seed: int) -> jax.Array:
 class Generator:
     """A stateful PRNG key stream whose state is a Variable (see the module docstring)."""
 
-    def __init__(self, seed: int | None = None, *, name: str = "generator", state: Any = None):
+    def __init__(
+        self, seed: int | None = None, *, name: str = "generator", state: ArrayLike | None = None
+    ) -> None:
         if state is None:
             if seed is None:
                 seed = int.from_bytes(os.urandom(4), "little")
@@ -102,7 +105,7 @@ class Generator:
         shape: Sequence[int],
         mean: float = 0.0,
         stddev: float = 1.0,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
     ) -> jax.Array:
         """Normal samples of ``shape`` (``mean + stddev * N(0, 1)``)."""
         dims = _sample_shape(shape, "Generator.normal")
@@ -113,7 +116,7 @@ class Generator:
         shape: Sequence[int],
         minval: float = 0.0,
         maxval: float = 1.0,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
     ) -> jax.Array:
         """Uniform samples of ``shape`` in ``[minval, maxval)``."""
         dims = _sample_shape(shape, "Generator.uniform")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast, overload
 
 import jax
 import numpy as np
@@ -53,7 +53,11 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def remat(fn: F | None = None, policy: Policy | None = None) -> Any:
+@overload
+def remat(fn: F, policy: Policy | None = None) -> F: ...
+@overload
+def remat(fn: None = None, policy: Policy | None = None) -> Callable[[F], F]: ...
+def remat(fn: F | None = None, policy: Policy | None = None) -> F | Callable[[F], F]:
     """``fn`` rematerialized in the backward pass (see the module docstring). Use as
     ``ps.remat(fn)``, ``@ps.remat`` or ``@ps.remat(policy=...)``."""
     if fn is None:
@@ -92,7 +96,7 @@ def remat(fn: F | None = None, policy: Policy | None = None) -> Any:
             v.assign(x, read_value=False)
         return out
 
-    return wrapped
+    return cast(F, wrapped)
 
 
 def _value(x: Any) -> Any:

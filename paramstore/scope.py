@@ -24,16 +24,18 @@ import contextlib
 import math
 import operator
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final, TypeAlias
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from paramstore import initializers as _init
 from paramstore._context import Scope, ctx, prefixed
 from paramstore._dtypes import canonical_dtype
 from paramstore._initial import flag
 from paramstore._store import VariableStore, default_store, preview_names
+from paramstore.typing import InitializerLike, ShapeLike
 from paramstore.variable import Variable
 
 __all__ = [
@@ -54,11 +56,14 @@ class _AutoReuse:
         return "ps.AUTO_REUSE"
 
 
-AUTO_REUSE: Any = _AutoReuse()
+AUTO_REUSE: Final[_AutoReuse] = _AutoReuse()
 """``variable_scope(..., reuse=AUTO_REUSE)``: ``get_variable`` gets or creates."""
 
+Reuse: TypeAlias = bool | _AutoReuse | None
+"""A variable scope's ``reuse``: None (inherit), False, True, or ``AUTO_REUSE``."""
 
-def _current_reuse() -> Any:
+
+def _current_reuse() -> Reuse:
     stack = ctx.scopes
     return stack[-1].reuse if stack else None
 
@@ -96,7 +101,7 @@ class VariableScope:
 
     __slots__ = ("name", "reuse", "_entry")
 
-    def __init__(self, name: str, reuse: Any, entry: Scope) -> None:
+    def __init__(self, name: str, reuse: Reuse, entry: Scope) -> None:
         self.name = name
         self.reuse = reuse
         self._entry = entry
@@ -120,7 +125,7 @@ class VariableScope:
 
 
 @contextlib.contextmanager
-def variable_scope(name: str, reuse: Any = None) -> Iterator[VariableScope]:
+def variable_scope(name: str, reuse: Reuse = None) -> Iterator[VariableScope]:
     """Prefix names with ``name/`` and set how ``get_variable`` shares inside the block.
 
     ``reuse=None`` inherits; ``True`` returns existing variables (a missing one is an
@@ -145,9 +150,9 @@ def variable_scope(name: str, reuse: Any = None) -> Iterator[VariableScope]:
 
 def get_variable(
     name: str,
-    shape: Any = None,
-    dtype: Any = jnp.float32,
-    initializer: Any = None,
+    shape: ShapeLike | None = None,
+    dtype: DTypeLike = jnp.float32,
+    initializer: InitializerLike = None,
     trainable: bool = True,
 ) -> Variable:
     """Get or create the variable ``<variable scopes>/name`` of the default store.
@@ -169,8 +174,8 @@ def get_variable(
     reuse = _current_reuse()
     dt = canonical_dtype(dtype, f"variable '{full}'")
     shp = None if shape is None else _as_shape(shape, full)
-    with store._lock:  # get-or-create as one step
-        existing = store.get(full)
+
+    def get_or_create(existing: Variable | None) -> Variable:  # under the store's lock
         if reuse is True or (reuse is AUTO_REUSE and existing is not None):
             if existing is None:
                 raise ValueError(
@@ -179,15 +184,16 @@ def get_variable(
                     "reuse=ps.AUTO_REUSE to get or create."
                 )
             _check_matches(existing, full, shp, dt, initializer)
-            return existing  # type: ignore[no-any-return]
+            return existing
         if existing is not None:
             raise ValueError(
                 f"Variable {full} already exists, disallowed. Did you mean to set reuse=True "
                 "or reuse=ps.AUTO_REUSE in variable_scope?"
             )
-        var = _create(full, shp, dt, initializer, trainable)
-        store._share(var)
-        return var
+        return _create(full, shp, dt, initializer, trainable)
+
+    var: Variable = store.get_or_create(full, get_or_create)
+    return var
 
 
 def _create(

@@ -44,7 +44,7 @@ hold what variable creation consults):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -65,6 +65,7 @@ from paramstore._placement import (
     replicated,
     resolve_device,
 )
+from paramstore.typing import ShardingTargets, VariablesLike
 from paramstore.variable import Variable, set_initial_value
 
 __all__ = [
@@ -89,7 +90,7 @@ __all__ = [
 ]
 
 
-def settle_unplaced(assigned: Iterable[Any], inputs: Iterable[Any]) -> None:
+def settle_unplaced(assigned: Iterable[Variable], inputs: Iterable[object]) -> None:
     """Before the first call of a compiled step: move each assigned variable that has no
     placement (an uncommitted array) to where the step's committed inputs are, replicated.
 
@@ -115,10 +116,7 @@ def settle_unplaced(assigned: Iterable[Any], inputs: Iterable[Any]) -> None:
             v._write(jax.device_put(x, home))
 
 
-def reshard(
-    variables: Any,
-    sharding: Sharding | Mesh | Mapping[str, Sharding] | Callable[[Any], Sharding | None],
-) -> None:
+def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
     """Move ``variables`` (a Variable, a list, a dict, a Module) to new shardings.
 
     ``sharding`` is one ``Sharding`` for all (a ``Mesh`` replicates over it), a dict
@@ -138,10 +136,7 @@ def reshard(
         v._write(value)
 
 
-def plan(
-    variables: list[Any],
-    sharding: Sharding | Mesh | Mapping[str, Sharding] | Callable[[Any], Sharding | None],
-) -> list[tuple[Any, Sharding]]:
+def plan(variables: list[Variable], sharding: ShardingTargets) -> list[tuple[Variable, Sharding]]:
     """``(variable, target sharding)`` for each variable that ``sharding`` moves, each
     checked with ``check_fits``; raises before anything changes."""
     if isinstance(sharding, Mesh):
@@ -184,7 +179,7 @@ def plan(
     return out
 
 
-def specs(variables: Any) -> dict[str, PartitionSpec]:
+def specs(variables: VariablesLike) -> dict[str, PartitionSpec]:
     """``{full name: PartitionSpec}`` of ``variables`` (a Module, a list, a dict ...): each
     variable's spec over its mesh's axes, ``P()`` when it is replicated, on one device, or
     a host-side string variable. Abstract variables give the spec they will have."""
@@ -195,7 +190,7 @@ def specs(variables: Any) -> dict[str, PartitionSpec]:
     return out
 
 
-def initialize(variables: Any) -> list[Variable]:
+def initialize(variables: VariablesLike) -> list[Variable]:
     """Give the abstract variables of ``variables`` (a Module, an Optimizer, a list ...)
     their initial values: their initializers run as one program compiled with their
     shardings as output shardings, each under its own name-derived key (the values an

@@ -23,10 +23,10 @@ Contract (see docs/api.md, "Variables"):
   state lock (``STATE_LOCK``), which ``ps.function`` calls also hold while they gather,
   dispatch and swap. So each assign and each compiled call is atomic, concurrent
   ``assign_add``s lose nothing, and a read never meets a buffer that a step donates.
-* Ownership: ``_owned`` says the array came out of this variable's own computation (a
-  compiled update, a private copy) and nobody was handed it by us except through
-  ``value()``, whose callers the reference count shows. Only an owned array whose reference
-  count shows no other holder is donated; any other is copied first (once).
+* Ownership is ``_ownership``'s: it records every array it hands out (``value()``,
+  ``np.asarray(v)``, a pytree flatten, a step's output...) by identity, and a compiled step
+  donates a variable's array only if it came out of the variable's own computation and was
+  never handed out; any other is copied first (once). No reference counts are used.
 * A Variable is a registered pytree (one leaf, its value) so that ``jnp`` functions accept
   it. Unflattening makes a *detached* Variable (``_Detached``): it holds the leaf, is in no
   store, counts as no creation, and refuses assigns (they could never reach the original).
@@ -54,6 +54,8 @@ from typing import Any, Self
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec, Sharding
+from jax.typing import DTypeLike
 
 from paramstore import _abstract, _trace
 from paramstore._context import STATE_LOCK, prefixed
@@ -61,16 +63,17 @@ from paramstore._creation import abstract_value, created, shaped
 from paramstore._dtypes import STRING, is_key_dtype, shape_error
 from paramstore._initial import flag, fresh
 from paramstore._jax import Tracer, refuse_as_array
-from paramstore._layout import check_partition
+from paramstore._layout import Partition, check_partition
 from paramstore._ownership import ownership
 from paramstore._placement import place
 from paramstore._slice import VariableSlice
 from paramstore._store import default_store
 from paramstore._variable_write import Writes
+from paramstore.typing import DeviceLike, Index, InitialValue, ShapeLike, ValueLike
 
 __all__ = ["Variable", "VariableSlice", "Reference", "set_initial_value"]
 
-_MISSING = object()
+_MISSING: Any = object()  # initial_value's default: not given (a clear TypeError)
 
 
 # ------------------------------------------------------------------------------ Variable
@@ -117,15 +120,15 @@ class Variable(Writes):
 
     def __init__(
         self,
-        initial_value: Any = _MISSING,
+        initial_value: InitialValue = _MISSING,
         trainable: bool | None = None,
         name: str | None = None,
-        dtype: Any = None,
+        dtype: DTypeLike | None = None,
         *,
-        device: Any = None,
-        sharding: Any = None,
-        shape: Any = None,
-        partition: Any = None,
+        device: DeviceLike | Sharding | None = None,
+        sharding: Sharding | Mesh | None = None,
+        shape: ShapeLike | None = None,
+        partition: Partition | PartitionSpec | None = None,
         _full_name: str | None = None,
     ) -> None:
         if initial_value is _MISSING or initial_value is None:
@@ -170,7 +173,7 @@ class Variable(Writes):
         self._partition = part
         if traced:  # bound in the ps.function trace; its array comes after the trace, made
             _trace.create(self, value)  # by ps.function in a program with this sharding
-            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)  # type: ignore[no-untyped-call]
+            placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
             ownership.adopt(self, placeholder, owned=True)
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
@@ -188,7 +191,7 @@ class Variable(Writes):
         """A hashable reference to this variable."""
         return Reference(self)
 
-    def __getitem__(self, index: Any) -> VariableSlice:
+    def __getitem__(self, index: Index) -> VariableSlice:
         return VariableSlice(self, index)
 
     # -- copies
@@ -219,8 +222,8 @@ class _Detached(Variable):
 
     __slots__ = ()
 
-    def value(self) -> Any:
-        return ownership.peek(self)  # a pytree leaf (often a tracer), never donated
+    def value(self) -> jax.Array:
+        return ownership.peek(self)  # type: ignore[no-any-return]  # a pytree leaf, never donated
 
     read_value = value
 
@@ -246,13 +249,13 @@ class _Abstract(Variable):
         return True
 
     def _bound(self) -> bool:
-        return bool(_trace.depth) and _trace.bound(self)[0]
+        return bool(_trace.depth) and bool(_trace.bound(self)[0])
 
-    def value(self) -> Any:
+    def value(self) -> jax.Array:
         if _trace.depth:
             found, value = _trace.bound(self)
             if found:
-                return value
+                return value  # type: ignore[no-any-return]
         raise _abstract.error(self._name, "read")
 
     read_value = value
@@ -260,17 +263,17 @@ class _Abstract(Variable):
     def numpy(self) -> np.ndarray:
         raise _abstract.error(self._name, "read")
 
-    def assign(self, value: Any, read_value: bool = True) -> Self | None:
+    def assign(self, value: ValueLike, read_value: bool = True) -> Self | None:
         if self._bound():
             return Variable.assign(self, value, read_value)
         raise _abstract.error(self._name, "assigned")
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Self | None:
+    def assign_add(self, delta: ValueLike, read_value: bool = True) -> Self | None:
         if self._bound():
             return Variable.assign_add(self, delta, read_value)
         raise _abstract.error(self._name, "assigned")
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Self | None:
+    def assign_sub(self, delta: ValueLike, read_value: bool = True) -> Self | None:
         if self._bound():
             return Variable.assign_sub(self, delta, read_value)
         raise _abstract.error(self._name, "assigned")

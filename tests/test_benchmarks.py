@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,39 @@ def test_metrics_benchmark_prints_ratios_to_the_hand_written_sums():
     out = run("metrics.py", "--quick")
     assert "ps.function + hand-written sums [reference]" in out
     assert "ps.function + ps.metrics (3 metrics)" in out and "async cpu us" in out
+
+
+@pytest.mark.slow
+def test_abstract_benchmark_prints_every_row_against_its_anchor():
+    pytest.importorskip("flax")
+    pytest.importorskip("orbax.checkpoint")
+    root = str(BENCH.parent)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "abstract.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    for row in (
+        "jax.ShapeDtypeStruct(sharding=) by hand [anchor]",
+        "ps.abstract() + ps.device(LayoutMap) + build",
+        "plain Orbax restore(ShapeDtypeStructs) [anchor]",
+        "ps.Checkpoint(model=abstract).restore",
+        "Flax NNX: StandardCheckpointer.restore + merge",
+        "ps.initialize(abstract model)",
+        "jax.jit(init, out_shardings=...) [anchor]",
+    ):
+        assert row in out, (row, out)
+    lines = {line[:54].strip(): line.split() for line in out.splitlines()}
+    shard = float(re.search(r"a kernel's shard: ([\d.]+) MiB", out)[1])
+    # restore and init never hold more than one shard of an array on a device
+    for row in ("ps.Checkpoint(model=abstract).restore", "ps.initialize(abstract model)"):
+        assert 0 < float(lines[row][-1]) <= shard, lines[row]
+    # an abstract model allocates nothing
+    assert float(lines["ps.abstract() + ps.device(LayoutMap) + build"][-1]) == 0.0
 
 
 @pytest.mark.slow

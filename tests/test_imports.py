@@ -43,7 +43,17 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, list[str]]] = [
     (
         "helpers",
-        ["_context", "_jax", "_dtypes", "_placement", "_store", "_seed", "_ownership", "_trace"],
+        [
+            "typing",
+            "_context",
+            "_jax",
+            "_dtypes",
+            "_placement",
+            "_store",
+            "_seed",
+            "_ownership",
+            "_trace",
+        ],
     ),
     ("variable", ["variable", "_variable_*", "_array_ops", "_initial", "_slice", "_creation"]),
     ("scopes and modules", ["scope", "_traverse", "module", "initializers", "random", "_collect"]),
@@ -441,19 +451,12 @@ def test_lower_layers_never_import_higher_ones(package_imports):
     assert not found, "imports that go up the layers:\n" + "\n".join(found)
 
 
-# Reads of a variable's array in modules other helpers own, to move to ownership.peek (issue
-# 15); the count may only go down.
-LEGACY_READS = {
-    "paramstore/_optim_slots.py": 1,
-}
-
-
 def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
     """Only paramstore/_ownership.py reads or writes a variable's array (``_value``) or its
     record of what was handed out (``_given``): every write goes through ``write`` /
     ``write_many`` (so the steady path sees it) and every read that gives the array away
     through ``hand_out`` (so it is never donated afterwards)."""
-    writes, reads = [], {}
+    writes, reads = [], []
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         if path.name == "_ownership.py":
             continue
@@ -461,7 +464,7 @@ def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr in ("_value", "_given"):
                 if isinstance(node.ctx, ast.Load) and node.attr == "_value":
-                    reads.setdefault(rel, []).append(node.lineno)
+                    reads.append(f"{rel}:{node.lineno}")
                 else:
                     writes.append(f"{rel}:{node.lineno}")
             if (
@@ -473,8 +476,7 @@ def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
             ):
                 writes.append(f"{rel}:{node.lineno}")
     assert not writes, f"write variables through paramstore._ownership: {writes}"
-    extra = {p: ls for p, ls in reads.items() if len(ls) > LEGACY_READS.get(p, 0)}
-    assert not extra, f"read variables through ownership.hand_out / peek: {extra}"
+    assert not reads, f"read variables through ownership.hand_out / peek: {reads}"
 
 
 def test_jax_internals_are_used_in_paramstore_jax_only():

@@ -278,6 +278,47 @@ def test_names_stay_unique_when_threads_create_variables(fresh_store):
     assert len(fresh_store.variables()) == 800
 
 
+def test_get_or_create_runs_make_once_per_name_under_threads_and_keeps_what_it_made(fresh_store):
+    seen, barrier = [], threading.Barrier(8, timeout=30)
+
+    def make(existing):
+        seen.append(existing)
+        if existing is not None:
+            return existing
+        time.sleep(0.01)  # a slow creation: the other threads must wait, not create
+        return ps.Variable(1.0, name="shared")
+
+    got = []
+
+    def work():
+        with fresh_store:
+            barrier.wait()
+            got.append(fresh_store.get_or_create("shared", make))
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(got) == 8 and all(v is got[0] for v in got)
+    assert seen[0] is None and all(e is got[0] for e in seen[1:])  # one creation
+    got.clear()
+    seen.clear()
+    gc.collect()
+    assert [v.name for v in fresh_store.variables()] == ["shared"]  # held strongly
+    assert fresh_store.get_or_create("shared", lambda e: e).name == "shared"
+
+
+def test_get_or_create_leaves_the_store_unchanged_when_make_raises(fresh_store):
+    def make(existing):
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        fresh_store.get_or_create("x", make)
+    assert fresh_store.variables() == [] and fresh_store.get("x") is None
+
+
 @pytest.mark.slow
 def test_many_variables_of_one_name_are_named_in_linear_time():
     # A ratio, not a wall-clock bound (the machine is shared): naming 4x as many variables of

@@ -341,6 +341,36 @@ def test_async_save_returns_before_the_files_are_written_and_steps_run_meanwhile
     np.testing.assert_array_equal(w.numpy(), saved_value)
 
 
+def test_a_reader_waits_for_an_async_save_of_its_path_in_flight(tmp_path, monkeypatch):
+    """The background write holds the path's one lock (the lock readers and saves take), so
+    a reader in another thread sees the finished checkpoint, never one being written."""
+    w = ps.Variable(np.arange(64, dtype=np.float32), name="w")
+    manager = ps.CheckpointManager(tmp_path / "run", [w], sharded=True, async_save=True)
+    writing, release = threading.Event(), threading.Event()
+    real = integrity.write_json
+
+    def slow_write(*args, **kwargs):  # the metadata, written last by the background thread
+        writing.set()
+        assert release.wait(10), "the test did not release the save"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(integrity, "write_json", slow_write)
+    path = manager.save(1)
+    assert writing.wait(10), "the background save did not start"
+    got: list[object] = []
+    reader = threading.Thread(
+        target=lambda: got.append(ps.checkpoint.load_variable(path, "w")), daemon=True
+    )
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and got == []  # waiting for the save's lock, not reading
+    release.set()
+    reader.join(10)
+    assert not reader.is_alive(), "the reader was still blocked 10 s after the save finished"
+    manager.wait()
+    np.testing.assert_array_equal(got[0], np.arange(64, dtype=np.float32))
+
+
 def test_a_failed_background_save_raises_at_wait(tmp_path, monkeypatch):
     w = ps.Variable(np.arange(8, dtype=np.float32), name="w")
     manager = ps.CheckpointManager(tmp_path / "run", [w], sharded=True, async_save=True)

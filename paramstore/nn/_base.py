@@ -27,7 +27,7 @@ import re
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from paramstore import initializers as _init
 from paramstore._summary import summary
 from paramstore.module import Module
+from paramstore.typing import Initializer, LayerInitializer, ValueLike
 
 __all__ = [
     "ACTIVATIONS",
@@ -111,7 +112,7 @@ def resolve_activation(fn: str | Activation | None, layer: str) -> Activation | 
     )
 
 
-def initializer(init: Any, default: _init.Initializer, layer: str, what: str) -> Any:
+def initializer(init: LayerInitializer, default: Initializer, layer: str, what: str) -> Initializer:
     """``init`` (a callable ``init(shape, dtype)`` or a ``ps.initializers`` name), or ``default``."""
     if init is None:
         return default
@@ -119,16 +120,17 @@ def initializer(init: Any, default: _init.Initializer, layer: str, what: str) ->
         factory = getattr(_init, init, None)
         if factory is None or not callable(factory):
             raise ValueError(f"{layer}: unknown {what} {init!r}; see ps.initializers.")
-        return factory()
+        made: Initializer = factory()
+        return made
     if not callable(init):
         raise TypeError(
             f"{layer}: {what} must be a callable init(shape, dtype) such as "
             f"ps.initializers.glorot_uniform(), got {type(init).__name__}."
         )
-    return init
+    return cast(Initializer, init)
 
 
-def as_float(x: Any, layer: Layer | str = "this layer") -> jax.Array:
+def as_float(x: ValueLike, layer: Layer | str = "this layer") -> jax.Array:
     """``x`` as an array; integers and bools become float32 (as Keras casts inputs). A complex
     input is refused (a layer's real weights would silently drop its imaginary part)."""
     x = jnp.asarray(x)

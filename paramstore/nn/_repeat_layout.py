@@ -110,7 +110,7 @@ def stacked_initial(
             keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
             return jax.random.key_data(keys)
         if init is None:
-            if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # type: ignore[attr-defined]
                 return jax.vmap(lambda i: jax.random.fold_in(value, i))(jnp.arange(n))
             return jnp.broadcast_to(value, (n, *value.shape))
 

@@ -75,7 +75,9 @@ class Template:
         self.others: dict[Any, tuple[list[Variable], list[Variable]]] = {}  # Repeat._others
 
 
-def _shaped(t: Template, me: str, x: Any, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+def _shaped(
+    t: Template, me: str, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, set[int], jax.ShapeDtypeStruct]:
     """Trace the template twice on the inputs' shapes (``jax.eval_shape``, inside
     ``ps.abstract()``, its abstract variables bound to staged zeros); nothing is computed.
     Returns both outputs' ``ShapeDtypeStruct``, the ids of the variables before the second
@@ -98,14 +100,19 @@ def _shaped(t: Template, me: str, x: Any, args: tuple, kwargs: dict) -> tuple[An
             y = t.block(h, *a_args, **a_kwargs)
             before.update(map(id, t.store.variables()))
             y2 = t.block(h, *a_args, **a_kwargs)
-        return tuple(out.value() if isinstance(out, Variable) else out for out in (y, y2))
+        return (
+            y.value() if isinstance(y, Variable) else y,
+            y2.value() if isinstance(y2, Variable) else y2,
+        )
 
     with _trace.no_frames(), _abstract.abstract():
         y, y2 = jax.eval_shape(run, *specs)
     return y, y2, before, specs[0]
 
 
-def learn(t: Template, me: str, x: Any, args: tuple, kwargs: dict) -> list[Variable]:
+def learn(
+    t: Template, me: str, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Variable]:
     """Run the template (twice) on inputs shaped like these: eagerly on zeros, or only
     traced when abstract (see the module docstring); return its variables. Raises (``me``
     names the Repeat), creating nothing real, if the block is unfit for a scan."""

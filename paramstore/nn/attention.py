@@ -12,6 +12,7 @@ from paramstore import initializers as _init
 from paramstore import scope as _scope
 from paramstore._layout import Partition
 from paramstore.nn._base import Layer, Shape, as_float, initializer
+from paramstore.typing import LayerInitializer, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["MultiHeadAttention"]
@@ -44,7 +45,7 @@ class MultiHeadAttention(Layer):
         key_dim: int,
         value_dim: int | None = None,
         use_bias: bool = True,
-        kernel_initializer: Any = None,
+        kernel_initializer: LayerInitializer = None,
         name: str | None = None,
         *,
         kernel_partition: Partition | None = None,
@@ -157,10 +158,10 @@ class MultiHeadAttention(Layer):
 
     def __call__(
         self,
-        query: Any,
-        value: Any,
-        key: Any = None,
-        mask: Any = None,
+        query: ValueLike,
+        value: ValueLike,
+        key: ValueLike | None = None,
+        mask: ValueLike | None = None,
         use_causal_mask: bool = False,
     ) -> jax.Array:
         q_in = as_float(query, self)

@@ -17,6 +17,7 @@ from paramstore.nn._base import (
     keras_name,
     resolve_activation,
 )
+from paramstore.typing import LayerInitializer, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Conv1D", "Conv2D", "window", "check_windows"]
@@ -80,8 +81,8 @@ class _Conv(Layer):
         padding: str = "valid",
         activation: str | Activation | None = None,
         use_bias: bool = True,
-        kernel_initializer: Any = None,
-        bias_initializer: Any = None,
+        kernel_initializer: LayerInitializer = None,
+        bias_initializer: LayerInitializer = None,
         name: str | None = None,
         *,
         kernel_partition: Partition | None = None,
@@ -136,7 +137,7 @@ class _Conv(Layer):
             else None
         )
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         n = self.spatial

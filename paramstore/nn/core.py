@@ -24,6 +24,7 @@ from paramstore.nn._base import (
     initializer,
     resolve_activation,
 )
+from paramstore.typing import LayerInitializer, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Dense", "Embedding", "Dropout", "Sequential"]
@@ -48,8 +49,8 @@ class Dense(Layer):
         units: int,
         activation: str | Activation | None = None,
         use_bias: bool = True,
-        kernel_initializer: Any = None,
-        bias_initializer: Any = None,
+        kernel_initializer: LayerInitializer = None,
+        bias_initializer: LayerInitializer = None,
         name: str | None = None,
         *,
         kernel_partition: Partition | None = None,
@@ -80,7 +81,7 @@ class Dense(Layer):
     def compute_output_shape(self, input_shape: Shape) -> Shape:
         return (*input_shape[:-1], self.units)
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         y = jnp.matmul(x, self.kernel.value())
@@ -103,7 +104,7 @@ class Embedding(Layer):
         self,
         input_dim: int,
         output_dim: int,
-        embeddings_initializer: Any = None,
+        embeddings_initializer: LayerInitializer = None,
         name: str | None = None,
         *,
         embeddings_partition: Partition | None = None,
@@ -133,7 +134,7 @@ class Embedding(Layer):
     def check_built(self, *shapes: Shape | None) -> None:
         """The table does not depend on the ids' shape."""
 
-    def __call__(self, ids: Any) -> jax.Array:
+    def __call__(self, ids: ValueLike) -> jax.Array:
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(
@@ -165,9 +166,11 @@ class Dropout(Layer):
     else from ``ps.random.next_key()``. ``rate`` must be in [0, 1)."""
 
     rate: float
-    generator: Any
+    generator: _random.Generator | None
 
-    def __init__(self, rate: float, generator: Any = None, name: str | None = None) -> None:
+    def __init__(
+        self, rate: float, generator: _random.Generator | None = None, name: str | None = None
+    ) -> None:
         super().__init__(name=name)
         if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
             raise TypeError(f"Dropout: rate must be a number in [0, 1), got {rate!r}.")
@@ -184,7 +187,7 @@ class Dropout(Layer):
         self.generator = generator
         self.built = True
 
-    def __call__(self, x: Any, training: bool = False) -> jax.Array:
+    def __call__(self, x: ValueLike, training: bool = False) -> jax.Array:
         x = jnp.asarray(x)
         if not training or self.rate == 0.0:
             return x
@@ -210,13 +213,13 @@ class Sequential(Layer):
     produce (found with ``jax.eval_shape``, after the layer is built); the first call does
     the same with real inputs."""
 
-    def __init__(self, layers: Iterable[Any] = (), name: str | None = None) -> None:
+    def __init__(self, layers: Iterable[Callable[..., Any]] = (), name: str | None = None) -> None:
         super().__init__(name=name)
-        self.layers: list[Any] = []
+        self.layers: list[Callable[..., Any]] = []
         for layer in layers:
             self.add(layer)
 
-    def add(self, layer: Any) -> None:
+    def add(self, layer: Callable[..., Any]) -> None:
         """Append a layer (any callable)."""
         if not callable(layer):
             raise TypeError(

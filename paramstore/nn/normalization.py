@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from paramstore import initializers as _init
 from paramstore._layout import Partition
 from paramstore.nn._base import Layer, Shape, as_float, features
+from paramstore.typing import ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["LayerNormalization", "BatchNormalization"]
@@ -51,7 +52,7 @@ class LayerNormalization(Layer):
         self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma", partition=g_part)
         self.beta = Variable(lambda: _init.zeros()((n,)), name="beta", partition=b_part)
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         mean = jnp.mean(x, axis=-1, keepdims=True)
@@ -102,7 +103,7 @@ class BatchNormalization(Layer):
             lambda: _init.ones()((n,)), trainable=False, name="moving_variance"
         )
 
-    def __call__(self, x: Any, training: bool = False) -> jax.Array:
+    def __call__(self, x: ValueLike, training: bool = False) -> jax.Array:
         x = as_float(x, self)
         if training and x.ndim < 2:
             raise ValueError(

@@ -11,6 +11,7 @@ import numpy as np
 
 from paramstore.nn._base import Layer, Shape, as_float, keras_name
 from paramstore.nn.conv import check_windows, padding_of, window
+from paramstore.typing import ValueLike
 
 __all__ = [
     "MaxPooling2D",
@@ -44,7 +45,7 @@ class _Pooling2D(Layer):
         """No variables: any channel count."""
 
     def _reduce(self, x: jax.Array, init: Any, op: Any) -> jax.Array:
-        return jax.lax.reduce_window(
+        out: jax.Array = jax.lax.reduce_window(
             x,
             init,
             op,
@@ -52,13 +53,14 @@ class _Pooling2D(Layer):
             (1, *self.strides, 1),
             self.padding.upper(),
         )
+        return out
 
 
 class MaxPooling2D(_Pooling2D):
     """The maximum of each ``pool_size`` window, moved by ``strides`` (default
     ``pool_size``), as ``keras.layers.MaxPooling2D``; ``"same"`` padding pads with -inf."""
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         return self._reduce(x, -jnp.inf, jax.lax.max)
@@ -68,7 +70,7 @@ class AveragePooling2D(_Pooling2D):
     """The mean of each ``pool_size`` window, as ``keras.layers.AveragePooling2D``; with
     ``"same"`` padding the padded positions are left out of the mean (as Keras does)."""
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         zero = 0.0  # Python scalars select the differentiable reduce_window_{max,sum}
@@ -106,7 +108,7 @@ class GlobalAveragePooling2D(_Global2D):
     """The mean over height and width: ``(batch, h, w, c)`` to ``(batch, c)`` (``(batch, 1, 1,
     c)`` with ``keepdims=True``), as ``keras.layers.GlobalAveragePooling2D``."""
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         return jnp.mean(x, axis=(1, 2), keepdims=self.keepdims)
@@ -115,7 +117,7 @@ class GlobalAveragePooling2D(_Global2D):
 class GlobalMaxPooling2D(_Global2D):
     """The maximum over height and width, as ``keras.layers.GlobalMaxPooling2D``."""
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         return jnp.max(x, axis=(1, 2), keepdims=self.keepdims)

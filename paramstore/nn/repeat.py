@@ -71,6 +71,7 @@ from paramstore.nn._repeat_layout import (
 )
 from paramstore.nn._repeat_template import Template, describe, learn, sources
 from paramstore.remat import checkpoint_policy
+from paramstore.typing import ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Repeat"]
@@ -123,7 +124,7 @@ class Repeat(Layer):
         self._in_shape: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ building
-    def _build_stacked(self, x: Any, args: tuple, kwargs: dict) -> None:
+    def _build_stacked(self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         t = self._template
         _trace.check_create()  # a later ps.function trace: the usual error, nothing run
         found = learn(t, f"Repeat '{self.scope_name}'", x, args, kwargs)
@@ -188,7 +189,9 @@ class Repeat(Layer):
             )
 
     # ------------------------------------------------------------------ calling
-    def __call__(self, x: Any, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
+    def __call__(
+        self, x: ValueLike, *args: Any, training: bool | None = None, **kwargs: Any
+    ) -> jax.Array:
         if isinstance(x, Variable):
             x = x.value()
         x = jnp.asarray(x)
@@ -197,10 +200,14 @@ class Repeat(Layer):
         else:
             self.check_built(tuple(x.shape))
         if not _trace.active() and current_trace() is EVAL:
-            return self._eager(x, args, kwargs, training)
-        return self._scan(x, args, kwargs, training)
+            out: jax.Array = self._eager(x, args, kwargs, training)
+        else:
+            out = self._scan(x, args, kwargs, training)
+        return out  # the blocks' output: an array shaped like x (the scan's carry)
 
-    def _eager(self, x: Any, args: tuple, kwargs: dict, training: bool | None) -> Any:
+    def _eager(
+        self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None
+    ) -> Any:
         """Eagerly: the scan inside a ps.function (an eager lax.scan compiles every call)."""
         t = self._template
         if t.compiled is None:
@@ -212,7 +219,9 @@ class Repeat(Layer):
         )
         return t.compiled(self, x, arrays, static=(tree, static, training))
 
-    def _scan(self, x: Any, args: tuple, kwargs: dict, training: bool | None) -> Any:
+    def _scan(
+        self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool | None
+    ) -> Any:
         t = self._template
         stacked = [self.stacked[k] for k in self._order]
         xs = [v.value() for v in stacked]
@@ -247,7 +256,12 @@ class Repeat(Layer):
         return y
 
     def _run_block(
-        self, h: Any, bound: list[tuple[Variable, Any]], kind: int, args: tuple, kwargs: dict
+        self,
+        h: Any,
+        bound: list[tuple[Variable, Any]],
+        kind: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> tuple[Any, _trace.Frame]:
         """Call the template block on ``h`` with ``bound`` variables (a binding frame)."""
         t = self._template
@@ -274,7 +288,7 @@ class Repeat(Layer):
         return y, frame
 
     def _others(
-        self, x: Any, xs: list[Any], args: tuple, kwargs: dict
+        self, x: Any, xs: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[list[Variable], list[Variable]]:
         """The variables outside the block that one step reads, and those it assigns,
         found once per input signature by tracing one step abstractly on its own."""
@@ -297,7 +311,7 @@ class Repeat(Layer):
             sl = [jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)) for a in xs]
             outer: list[_trace.Frame] = []
 
-            def one(h: Any, sl: list[Any], args: tuple, kwargs: dict) -> Any:
+            def one(h: Any, sl: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 with _trace.push(capture):
                     y, frame = self._run_block(h, list(zip(t.tvars, sl)), _trace.OPEN, args, kwargs)
                 outer.append(frame)
@@ -375,7 +389,7 @@ class Repeat(Layer):
     unstack_state = staticmethod(unstack_state)
 
 
-def _run_static(repeat: Repeat, x: Any, arrays: list[Any], static: tuple) -> Any:
+def _run_static(repeat: Repeat, x: Any, arrays: list[Any], static: tuple[Any, ...]) -> Any:
     """The eager path's ps.function body: rebuild the arguments and scan."""
     tree, leaves, training = static
     it = iter(arrays)

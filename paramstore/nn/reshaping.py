@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from paramstore.nn._base import Activation as _Fn
 from paramstore.nn._base import Layer, Shape, resolve_activation
+from paramstore.typing import ValueLike
 
 __all__ = ["Flatten", "Reshape", "Activation"]
 
@@ -27,7 +28,7 @@ class Flatten(_Stateless):
     """``(batch, ...)`` to ``(batch, prod(...))``, as ``keras.layers.Flatten`` (a ``(batch,)``
     input becomes ``(batch, 1)``). The dtype is kept."""
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = jnp.asarray(x)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], -1) if x.ndim != 1 else x[:, None]
@@ -82,7 +83,7 @@ class Reshape(_Stateless):
                 "the rest)."
             )
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = jnp.asarray(x)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], *self.target_shape)
@@ -104,6 +105,6 @@ class Activation(_Stateless):
     def check_shape(self, *shapes: Shape | None) -> None:
         """Any shape."""
 
-    def __call__(self, x: Any) -> jax.Array:
+    def __call__(self, x: ValueLike) -> jax.Array:
         x = jnp.asarray(x)
         return self.activation(x)

@@ -1,0 +1,149 @@
+"""The public API is typed: no public parameter or return is ``Any`` or unannotated unless it is
+listed in ``ALLOWED`` below with the reason ``Any`` is really right there (issue 15, "Types").
+
+The walk starts at ``paramstore.__all__`` and goes into every public submodule's ``__all__``
+(``ps.nn``, ``ps.metrics``, ``ps.initializers``, ``ps.random``, ``ps.sharding``,
+``ps.checkpoint``, ``ps.typing``); for a class it takes ``__init__``, ``__call__`` and every
+public method and property (inherited ones once, under the class that defines them). A
+parameter counts when its annotation is missing or ``Any`` (``self``/``cls`` excepted); a
+return when it is ``Any``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import paramstore
+
+# "qualified.name(parameter)" or "qualified.name -> return": why Any is right there.
+ALLOWED: dict[str, str] = {
+    "paramstore.optimizer.Optimizer.apply_gradients(extra_args)": (
+        "forwarded as is to the user's optax transformation (tx.update(..., **extra_args))"
+    ),
+    "paramstore.nn.repeat.Repeat.__call__(args)": "forwarded to the user's block, any values",
+    "paramstore.nn.repeat.Repeat.__call__(kwargs)": "forwarded to the user's block, any values",
+    "paramstore.nn.core.Sequential.__call__(x)": (
+        "passed to the first layer, which may be any user callable (any input it takes)"
+    ),
+    "paramstore.nn.core.Sequential.__call__ -> return": (
+        "what the last layer returns: any user callable's result"
+    ),
+}
+
+# ``PyTree`` is ``Any`` under a name (paramstore.typing): it counts as Any here.
+ANY = (inspect.Parameter.empty, Any, "Any", "typing.Any", "PyTree")
+
+
+def _functions(obj: object, name: str, seen: set[int]) -> Iterator[tuple[str, Callable[..., Any]]]:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, types.ModuleType):
+        for attr in getattr(obj, "__all__", ()):
+            yield from _functions(getattr(obj, attr), f"{name}.{attr}", seen)
+    elif inspect.isclass(obj):
+        if not obj.__module__.startswith("paramstore"):
+            return
+        for attr, member in vars(obj).items():
+            if attr.startswith("_") and attr not in ("__init__", "__call__"):
+                continue
+            if isinstance(member, staticmethod | classmethod):
+                member = member.__func__
+            if isinstance(member, property):
+                member = member.fget
+            if (
+                inspect.isfunction(member)
+                and member.__module__.startswith("paramstore")  # not typing.Protocol's own
+                and id(member) not in seen
+            ):
+                seen.add(id(member))
+                yield f"{obj.__module__}.{obj.__qualname__}.{attr}", member
+        for base in obj.__mro__[1:]:
+            if base.__module__.startswith("paramstore"):
+                yield from _functions(base, base.__qualname__, seen)
+    elif inspect.isfunction(obj) and obj.__module__.startswith("paramstore"):
+        yield f"{obj.__module__}.{obj.__qualname__}", obj
+    elif callable(obj) and getattr(obj, "__wrapped__", None) is not None:
+        yield from _functions(obj.__wrapped__, name, seen)
+
+
+def untyped(root: types.ModuleType = paramstore) -> tuple[list[str], list[str], int, int]:
+    """(untyped parameters, untyped returns, all parameters, all returns) under ``root``."""
+    params, returns, n_params, n_returns = [], [], 0, 0
+    for name, fn in _functions(root, root.__name__, set()):
+        sig = inspect.signature(fn)
+        for p in sig.parameters.values():
+            if p.name in ("self", "cls"):
+                continue
+            n_params += 1
+            if p.annotation in ANY:
+                params.append(f"{name}({p.name})")
+        n_returns += 1
+        if sig.return_annotation in ANY[1:]:
+            returns.append(f"{name} -> return")
+    return params, returns, n_params, n_returns
+
+
+def test_the_walk_finds_untyped_parameters_and_returns_in_a_synthetic_package():
+    pkg = types.ModuleType("paramstore_probe")
+    sub = types.ModuleType("paramstore_probe.sub")
+    source = (
+        "from typing import Any\n"
+        "class Base:\n"
+        "    def method(self, a: int, b) -> Any: ...\n"
+        "    def _private(self, c) -> Any: ...\n"
+        "class Child(Base):\n"
+        "    def __init__(self, x: 'PyTree', y: 'int') -> None: ...\n"
+        "    def __call__(self, *args: Any, **kwargs: 'Any') -> 'Any': ...\n"
+        "    @property\n"
+        "    def size(self) -> int: ...\n"
+        "def top(n: 'int', m: Any = 1) -> 'float': ...\n"
+    )
+    exec(compile(source, "paramstore_probe/sub.py", "exec", dont_inherit=True), sub.__dict__)
+    sub.__all__ = ["Child", "top"]
+    pkg.__all__ = ["sub"]
+    pkg.sub = sub
+    params, returns, n_params, n_returns = untyped(pkg)
+    assert sorted(params) == [
+        "paramstore_probe.sub.Base.method(b)",
+        "paramstore_probe.sub.Child.__call__(args)",
+        "paramstore_probe.sub.Child.__call__(kwargs)",
+        "paramstore_probe.sub.Child.__init__(x)",
+        "paramstore_probe.sub.top(m)",
+    ]
+    assert sorted(returns) == [
+        "paramstore_probe.sub.Base.method -> return",
+        "paramstore_probe.sub.Child.__call__ -> return",
+    ]
+    assert (n_params, n_returns) == (8, 5)  # _private is not public: not walked
+
+
+def test_the_walk_sees_the_public_api():
+    _, _, n_params, n_returns = untyped()
+    assert n_params > 300 and n_returns > 200, (n_params, n_returns)
+    walked = {name for name, _ in _functions(paramstore, "paramstore", set())}
+    assert {
+        "paramstore._variable_write.Writes.assign",
+        "paramstore.variable.Variable.__init__",
+        "paramstore.nn.core.Dense.__call__",
+        "paramstore.metrics.Mean.update_state",
+        "paramstore.initializers.resolve",
+        "paramstore.sharding.reshard",
+        "paramstore.random.Generator.normal",
+    } <= walked
+
+
+def test_public_signatures_are_typed_beyond_any():
+    params, returns, _, _ = untyped()
+    found = params + returns
+    extra = [n for n in found if n not in ALLOWED]
+    assert not extra, (
+        "public parameters/returns typed Any or unannotated; use paramstore.typing's aliases, "
+        "jax.typing.ArrayLike/DTypeLike or jax.Array (or, where Any is genuinely right, add "
+        "the name with a reason to ALLOWED in tests/test_typing.py):\n" + "\n".join(extra)
+    )
+    stale = sorted(set(ALLOWED) - set(found))
+    assert not stale, f"ALLOWED entries that are typed now (remove them): {stale}"
