@@ -7,7 +7,8 @@ larger than one device"):
   the initializer is traced for its shape (``jax.eval_shape``), not run, and nothing is
   allocated. ``remember`` keeps its initializer until ``ps.initialize`` runs it or a
   checkpoint restore gives the variable a value. Using an abstract variable in any way
-  raises ``error(name)``: a ``ValueError`` naming it and saying to restore or initialize.
+  raises ``error(name)``: a ``ValueError`` naming it and saying to restore or initialize
+  (where a binding frame gives it a value, ``paramstore._trace.bound``, it reads that).
 * ``shape_of(make)`` is the ``jax.ShapeDtypeStruct`` an initializer would produce, or None
   when it cannot be traced on its own (it reads a variable, advances a generator, returns
   strings): the caller then runs it eagerly, as before.

@@ -24,6 +24,12 @@ and writes are ref effects, which every JAX transformation threads through its b
 the frame's result is the ref's final value. Straight-line code never creates a ref, so
 its jaxpr is exactly what a hand-written pure function gives.
 
+Abstract variables (``ps.abstract()``) have no value to capture or read through: they read
+and assign only what a frame binds them to (``bound``). A ``ps.nn.Repeat`` scan binds its
+abstract template block's variables to the layer slices; a ``shapes`` frame (the Repeat's
+abstract build, traced by ``jax.eval_shape``) binds any abstract variable read inside it to
+zeros staged in its trace, so a block is traced for its shapes without a value existing.
+
 ``depth`` counts active frames over all threads, so ``Variable.value()`` costs one global
 check when no frame is active anywhere.
 """
@@ -54,7 +60,18 @@ from paramstore._jax import (
 )
 from paramstore._ownership import ownership
 
-__all__ = ["Frame", "PURE", "OPEN", "CAPTURE", "push", "active", "read", "bind", "create"]
+__all__ = [
+    "Frame",
+    "PURE",
+    "OPEN",
+    "CAPTURE",
+    "push",
+    "active",
+    "read",
+    "bound",
+    "bind",
+    "create",
+]
 
 Variable = Any  # paramstore.variable.Variable, which sits above this module
 
@@ -79,6 +96,7 @@ class Frame:
         "captured",
         "created",
         "allow_create",
+        "shapes",
     )
 
     def __init__(
@@ -88,6 +106,7 @@ class Frame:
         bound: list[tuple[Variable, Any]] | None = None,
         *,
         allow_create: bool = True,
+        shapes: bool = False,
     ) -> None:
         self.owner = owner
         self.kind = kind
@@ -100,6 +119,7 @@ class Frame:
         self.captured: dict[int, tuple[Variable, Any]] = {}
         self.created: list[tuple[Variable, Any]] = []
         self.allow_create = allow_create
+        self.shapes = shapes  # binds abstract variables to zeros on first read (see bound)
         for var, value in bound or ():
             self.values[id(var)] = value
             self.vars[id(var)] = var
@@ -259,6 +279,25 @@ def read(var: Variable) -> Any:
             "and pass what you need as a static argument."
         )
     return _lookup(stack, len(stack) - 1, var)
+
+
+def bound(var: Variable) -> tuple[bool, Any]:
+    """``(True, value)`` when an active frame binds the ABSTRACT variable ``var`` (which has
+    no value of its own, so nothing is captured or read through): a ``ps.nn.Repeat``'s scan
+    binds its template's variables to the current layer's slices. A frame made with
+    ``shapes=True`` (a trace that only learns shapes, such as a Repeat's abstract build)
+    binds an abstract variable it does not hold to zeros of its shape and dtype, staged in
+    its own trace, on first read. ``(False, None)`` when no frame binds it."""
+    key = id(var)
+    for frame in reversed(ctx.frames):
+        if key in frame.values:
+            return True, frame.get(key)
+        if frame.shapes:
+            with in_trace(frame.base):
+                frame.values[key] = jnp.zeros(var.shape, var.dtype)
+            frame.vars[key] = var
+            return True, frame.get(key)
+    return False, None
 
 
 def bind(var: Variable, value: Any, update: str = "") -> bool:

@@ -36,7 +36,9 @@ Contract (see docs/api.md, "Variables"):
 * Where a new variable lives and how its initializer runs (docs/api.md, "Models larger than one
   device") is ``paramstore._creation``'s: an initializer with a multi-device sharding runs
   compiled with it as output sharding; inside ``ps.abstract()`` a variable is an
-  ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``).
+  ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``,
+  except where an active frame binds it to a value: ``_trace.bound``, how a
+  ``ps.nn.Repeat`` traces and scans an abstract template block).
   ``set_initial_value`` is the one way to make an abstract variable concrete with a given
   array (checkpoint restores call it, and ``ps.initialize``).
 
@@ -236,7 +238,9 @@ class _Detached(Variable):
 class _Abstract(Variable):
     """A variable with a shape, dtype and sharding but no value (``ps.abstract()``): every
     use raises ``_abstract.error``; ``_write`` (through ``set_initial_value``) gives it its
-    value and turns it into a plain ``Variable``."""
+    value and turns it into a plain ``Variable``. The one exception: where an active frame
+    binds it (``_trace.bound``: a ``ps.nn.Repeat``'s template inside its scan, or its
+    abstract build), reads and assigns see that binding, as for any variable."""
 
     __slots__ = ()
 
@@ -244,7 +248,14 @@ class _Abstract(Variable):
     def is_abstract(self) -> bool:
         return True
 
+    def _bound(self) -> bool:
+        return bool(_trace.depth) and bool(_trace.bound(self)[0])
+
     def value(self) -> jax.Array:
+        if _trace.depth:
+            found, value = _trace.bound(self)
+            if found:
+                return value  # type: ignore[no-any-return]
         raise _abstract.error(self._name, "read")
 
     read_value = value
@@ -253,14 +264,23 @@ class _Abstract(Variable):
         raise _abstract.error(self._name, "read")
 
     def assign(self, value: ValueLike, read_value: bool = True) -> Self | None:
+        if self._bound():
+            return Variable.assign(self, value, read_value)
         raise _abstract.error(self._name, "assigned")
 
     def assign_add(self, delta: ValueLike, read_value: bool = True) -> Self | None:
+        if self._bound():
+            return Variable.assign_add(self, delta, read_value)
         raise _abstract.error(self._name, "assigned")
 
-    assign_sub = assign_add
+    def assign_sub(self, delta: ValueLike, read_value: bool = True) -> Self | None:
+        if self._bound():
+            return Variable.assign_sub(self, delta, read_value)
+        raise _abstract.error(self._name, "assigned")
 
     def _coerce(self, value: Any, op: str, *, host: bool = False) -> Any:
+        if self._bound():
+            return Variable._coerce(self, value, op, host=host)
         raise _abstract.error(self._name, "assigned")
 
     def __getattr__(self, name: str) -> Any:

@@ -93,3 +93,16 @@ def test_abstract_benchmark_prints_every_row_against_its_anchor():
         assert 0 < float(lines[row][-1]) <= shard, lines[row]
     # an abstract model allocates nothing
     assert float(lines["ps.abstract() + ps.device(LayoutMap) + build"][-1]) == 0.0
+
+
+@pytest.mark.slow
+def test_repeat_abstract_benchmark_prints_its_rows_and_ratios():
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "repeat_abstract.py"), "--quick", "--runs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(BENCH.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| abstract build n=48" in done.stdout and "initialize n=2 / concrete" in done.stdout

@@ -23,6 +23,7 @@ __all__ = [
     "generators",
     "all_variables",
     "stacked_initial",
+    "stacked_shape",
     "stacked_sharding",
     "stacked_partition",
     "stack_state",
@@ -92,13 +93,18 @@ def all_variables(block: Any) -> list[Variable]:
 
 
 def stacked_initial(
-    init: Callable[[], Any] | None, value: Any, n: int, name: str, stream: bool
+    init: Callable[[], Any] | None, source: Any, n: int, name: str, stream: bool
 ) -> Callable[[], Any]:
     """The initial value of a stacked variable: ``init`` drawn for each layer with the
-    layer index folded into its key; else ``value`` in every layer (a generator state:
-    split per layer)."""
+    layer index folded into its key; else ``source`` (an array, or a zero-argument callable
+    computing it: an abstract template variable's initializer) in every layer (a generator
+    state: split per layer). Computed only when called, so inside ``ps.abstract()`` it is
+    only traced for its shape."""
 
     def stacked() -> Any:
+        if stream or init is None:
+            with _seed.recording():  # the template's initializer: not recorded as ours
+                value = source() if callable(source) else source
         if stream:
             key = jax.random.wrap_key_data(value)
             keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
@@ -118,6 +124,13 @@ def stacked_initial(
             return jnp.stack([one(i) for i in range(n)])
 
     return stacked
+
+
+def stacked_shape(template: Variable, n: int) -> jax.ShapeDtypeStruct:
+    """A stacked variable's shape and dtype only: for a template variable made abstract from
+    a shape (``ps.Variable(jax.ShapeDtypeStruct(...))``), whose stacked copy has no
+    initializer either and must be restored (allowed inside ``ps.abstract()`` only)."""
+    return jax.ShapeDtypeStruct((n, *template.shape), template.dtype)
 
 
 def stacked_sharding(template: Variable) -> Any:

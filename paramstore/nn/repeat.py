@@ -5,7 +5,7 @@ Contract (docs/api.md, "Layers"; docs/guides/repeat.md):
 * ``Repeat(make_block, n, *, remat=None, name=None)`` calls ``make_block()`` once, inside
   its own name scope, and keeps the result as a *template*: its variables live in a private
   store and are never trained or saved. On the first call the template is run eagerly on
-  an input of the same shape (twice: the first call builds a lazy layer, the second must
+  an input of the same shape (only traced inside ``ps.abstract()``, below) (twice: the first call builds a lazy layer, the second must
   create nothing), which tells the block's variables, their initializers and checks that
   the block keeps its input's shape and dtype. Then each template variable becomes one
   real variable of the same full name (``repeat/block/dense/kernel``) with a leading axis
@@ -35,6 +35,12 @@ Contract (docs/api.md, "Layers"; docs/guides/repeat.md):
   partition describes the per-block shape; each stacked variable gets its template's
   ``NamedSharding`` with the stacked axis replicated in front (``P(None, *spec)``) and its
   partition with ``None`` in front.
+* Inside ``with ps.abstract():`` (the Repeat made or built there) the template is only
+  traced (``jax.eval_shape``; ``_repeat_template``): its variables are abstract, nothing of
+  the block is computed or allocated, and the stacked variables are created abstract, with
+  the names, shapes, dtypes, shardings and initializers a concrete build gives them, so
+  ``ps.initialize`` gives the same values and a checkpoint restores into them. Calling it
+  before that raises the abstract-variable ``ValueError`` naming a stacked variable.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore import _seed, _trace
-from paramstore._jax import EVAL, current_trace, in_trace
+from paramstore._jax import EVAL, current_trace
 from paramstore._store import VariableStore
 from paramstore.function import function
 from paramstore.module import Module
@@ -59,10 +65,11 @@ from paramstore.nn._repeat_layout import (
     stack_state,
     stacked_initial,
     stacked_partition,
+    stacked_shape,
     stacked_sharding,
     unstack_state,
 )
-from paramstore.nn._repeat_template import Template, describe, learn
+from paramstore.nn._repeat_template import Template, describe, learn, sources
 from paramstore.remat import checkpoint_policy
 from paramstore.typing import ValueLike
 from paramstore.variable import Variable
@@ -128,17 +135,16 @@ class Repeat(Layer):
         for v in found:
             key = paths.get(id(v)) or v.name.removeprefix(own)
             keys[key] = v
-        with _trace.no_frames(), in_trace(EVAL):
-            concrete = {id(v): v.value() for v in found}
+        source = sources(t, f"Repeat '{self.scope_name}'", found)
         made: dict[str, Variable] = {}
         order = sorted(keys)
         for key in order:
             v = keys[key]
-            init = stacked_initial(
-                t.inits.get(v.name), concrete[id(v)], self.n, v.name, id(v) in streams
-            )
+            init = t.inits.get(v.name)
             made[key] = Variable(
-                init,
+                stacked_initial(init, source[id(v)], self.n, v.name, id(v) in streams)
+                if init is not None or source[id(v)] is not None
+                else stacked_shape(v, self.n),
                 trainable=v.trainable,
                 dtype=None if v._is_key else v.dtype,
                 sharding=stacked_sharding(v),
@@ -163,7 +169,7 @@ class Repeat(Layer):
                 "Pass a shape such as (None, 16, 64)."
             )
         dims = tuple(1 if d is None else d for d in input_shape)
-        self._build_stacked(jnp.zeros(dims), (), {})
+        self._build_stacked(jax.ShapeDtypeStruct(dims, jnp.result_type(float)), (), {})
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
         """The blocks keep their input's shape, so the Repeat does too."""
