@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--unrolled-max", type=int, default=24, help="skip deeper unrolled")
     parser.add_argument("--remat-min", type=int, default=48, help="remat row from this depth")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--quick", action="store_true", help="depths 2,4; 3 steps")
+    parser.add_argument("--quick", action="store_true", help="depths 2,4; 3 steps; no warm-up")
     args = parser.parse_args()
     depths = [2, 4] if args.quick else [int(d) for d in args.depths.split(",")]
     steps = 3 if args.quick else args.steps
@@ -305,7 +305,7 @@ def main() -> None:
         f"{steps} steps (median)"
     )
     for name in names:  # warm-up: every variant's eager ops compiled once
-        if "remat" not in name:
+        if "remat" not in name and not args.quick:  # (a smoke run skips it: 2 compiles less)
             first_call(name, 2)
     results: dict[tuple[str, int], dict[str, float]] = {}
     print(
