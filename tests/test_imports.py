@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib
 import os
 import subprocess
 import sys
@@ -477,6 +478,46 @@ def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
                 writes.append(f"{rel}:{node.lineno}")
     assert not writes, f"write variables through paramstore._ownership: {writes}"
     assert not reads, f"read variables through ownership.hand_out / peek: {reads}"
+
+
+# Variable's underscore members that other modules of the package may use (docs/architecture.md,
+# "Variable's package interface"); every other private member stays inside the variable layer.
+VARIABLE_PACKAGE_INTERFACE = {
+    "_write",
+    "_swap",
+    "_coerce",
+    "_check_arithmetic",
+    "_colocated",
+    "_is_string",
+    "_is_key",
+}
+VARIABLE_LAYER = {"variable.py", "_variable_read.py", "_variable_write.py", "_ownership.py"}
+
+
+def test_other_modules_reach_variables_only_through_their_package_interface():
+    Variable = importlib.import_module("paramstore.variable").Variable
+    private = {
+        name
+        for cls in Variable.__mro__
+        for name in (*vars(cls), *getattr(cls, "__slots__", ()))
+        if name.startswith("_") and not name.startswith("__") and not name.endswith("_")
+    }
+    assert private >= VARIABLE_PACKAGE_INTERFACE  # the list names real members
+    reached = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.name in VARIABLE_LAYER:
+            continue
+        rel = path.relative_to(PACKAGE_DIR.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in private - VARIABLE_PACKAGE_INTERFACE
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                reached.append(f"{rel}:{node.lineno} .{node.attr}")
+    assert reached == [], (
+        f"use a Variable's public API or its package interface (docs/architecture.md): {reached}"
+    )
 
 
 def test_jax_internals_are_used_in_paramstore_jax_only():
