@@ -71,3 +71,23 @@ def session_results(tmp_path_factory: Any, test_file: str, stem: str) -> dict[st
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return json.loads(out.read_text())
+
+
+def multi_device_tests(
+    checks: Mapping[str, Callable[[], Any]], test_file: str, stem: str
+) -> tuple[Any, Any]:
+    """The session fixture (named ``stem``) and the test, parametrized by check name, of a test
+    file's ``checks``: assign both at module level so pytest collects them,
+    ``results, test_multi_device = multi_device_tests(CHECKS, __file__, "layout_results")``."""
+
+    @pytest.fixture(scope="session", name=stem)
+    def results(tmp_path_factory: Any) -> dict[str, Any]:
+        return session_results(tmp_path_factory, test_file, stem)
+
+    @pytest.mark.parametrize("name", list(checks))
+    def test_multi_device(name: str, request: pytest.FixtureRequest) -> None:
+        result = request.getfixturevalue(stem)["results"][name]
+        if result != "ok":
+            pytest.fail(f"check_{name} failed in the 8-device subprocess:\n{result}", pytrace=False)
+
+    return results, test_multi_device

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _multidevice import run_checks, session_results
+from _multidevice import multi_device_tests, run_checks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -539,16 +539,7 @@ def check_abstract_model_and_optimizer_restored_from_a_checkpoint_equal_the_orig
         assert v.sharding == want[v.name][1], v.name  # the step keeps every placement
 
 
-@pytest.fixture(scope="session")
-def layout_results(tmp_path_factory):
-    return session_results(tmp_path_factory, __file__, "layout_results")
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_multi_device(name, layout_results):
-    result = layout_results["results"][name]
-    if result != "ok":
-        pytest.fail(f"check_{name} failed in the 8-device subprocess:\n{result}", pytrace=False)
+layout_results, test_multi_device = multi_device_tests(CHECKS, __file__, "layout_results")
 
 
 if __name__ == "__main__":

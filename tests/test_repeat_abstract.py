@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _multidevice import run_checks, session_results
+from _multidevice import multi_device_tests, run_checks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -489,16 +489,9 @@ def check_sharded_checkpoint_restores_into_an_abstract_repeat_that_then_trains()
             assert v.sharding == saved[v.name][1], v.name  # the step keeps every placement
 
 
-@pytest.fixture(scope="session")
-def repeat_abstract_results(tmp_path_factory):
-    return session_results(tmp_path_factory, __file__, "repeat_abstract_results")
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_multi_device(name, repeat_abstract_results):
-    result = repeat_abstract_results["results"][name]
-    if result != "ok":
-        pytest.fail(f"check_{name} failed in the 8-device subprocess:\n{result}", pytrace=False)
+repeat_abstract_results, test_multi_device = multi_device_tests(
+    CHECKS, __file__, "repeat_abstract_results"
+)
 
 
 if __name__ == "__main__":

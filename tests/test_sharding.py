@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _multidevice import run_checks, session_results
+from _multidevice import multi_device_tests, run_checks
 from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -668,16 +668,9 @@ def check_reshard_moves_all_or_nothing():
 # ========================================================================== the harness
 
 
-@pytest.fixture(scope="session")
-def multi_device_results(tmp_path_factory):
-    return session_results(tmp_path_factory, __file__, "multi_device_results")
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_multi_device(name, multi_device_results):
-    result = multi_device_results["results"][name]
-    if result != "ok":
-        pytest.fail(f"check_{name} failed in the 8-device subprocess:\n{result}", pytrace=False)
+multi_device_results, test_multi_device = multi_device_tests(
+    CHECKS, __file__, "multi_device_results"
+)
 
 
 if __name__ == "__main__":
