@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 import paramstore as ps
+from paramstore import _abstract
 
 
 def run_checks(checks: Mapping[str, Callable[[], Any]], out: str) -> None:
@@ -91,3 +92,21 @@ def multi_device_tests(
             pytest.fail(f"check_{name} failed in the 8-device subprocess:\n{result}", pytrace=False)
 
     return results, test_multi_device
+
+
+def init_programs(run: Callable[[], Any]) -> list[list[Any]]:
+    """Call ``run()`` and return the output shardings of each sharded initialization program
+    it built (``paramstore._abstract.init_program``), in order."""
+    programs: list[list[Any]] = []
+    real = _abstract.init_program
+
+    def spy(makes: Any, shardings: Any) -> Any:
+        programs.append(list(shardings))
+        return real(makes, shardings)
+
+    _abstract.init_program = spy
+    try:
+        run()
+    finally:
+        _abstract.init_program = real
+    return programs

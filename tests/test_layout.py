@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _multidevice import multi_device_tests, run_checks
+from _multidevice import init_programs, multi_device_tests, run_checks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -468,18 +468,7 @@ def check_abstract_model_with_layouts_initializes_as_one_sharded_program():
         "dense_1/kernel": P("data", "model"),
         "dense_1/bias": P("model"),
     }
-    programs = []
-    real = _abstract.init_program
-
-    def spy(makes, shardings):
-        programs.append(list(shardings))
-        return real(makes, shardings)
-
-    _abstract.init_program = spy
-    try:
-        ps.initialize(model)
-    finally:
-        _abstract.init_program = real
+    programs = init_programs(lambda: ps.initialize(model))
     assert len(programs) == 1 and len(programs[0]) == 4  # one program for the model
     for v in model.variables:
         assert not v.is_abstract and v.sharding == NamedSharding(mesh, P(*lm[v.name]))

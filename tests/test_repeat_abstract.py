@@ -26,12 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _multidevice import multi_device_tests, run_checks
+from _multidevice import init_programs, multi_device_tests, run_checks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import paramstore as ps
-from paramstore import _abstract
 from paramstore._jax import Tracer
 
 D = 8
@@ -439,18 +438,7 @@ def check_abstract_builds_with_layouts_and_axis_rules_initialize_sharded_as_conc
                 up = model.layers[1].stacked["up/kernel"]
                 assert up.partition == (None, "embed", "mlp")
                 continue  # initialized as the layout's: the same program
-            programs = []
-            real = _abstract.init_program
-
-            def spy(makes, shardings, programs=programs, real=real):
-                programs.append(list(shardings))
-                return real(makes, shardings)
-
-            _abstract.init_program = spy
-            try:
-                ps.initialize(model)
-            finally:
-                _abstract.init_program = real
+            programs = init_programs(lambda model=model: ps.initialize(model))
             assert len(programs) == 1, programs  # one sharded program for the sharded ones
             for v in model.variables:
                 assert not v.is_abstract and v.sharding == want[v.name][1], v.name
