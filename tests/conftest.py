@@ -19,6 +19,12 @@ def fresh_store():
 
 
 @pytest.fixture(scope="session")
+def keras():
+    """Keras 3, the oracle of the layer and metric tests (they skip without it)."""
+    return pytest.importorskip("keras")
+
+
+@pytest.fixture(scope="session")
 def tf():
     """TensorFlow, the oracle of the tests marked ``tf`` (they skip without it).
 

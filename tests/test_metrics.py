@@ -13,11 +13,6 @@ import paramstore as ps
 RNG = np.random.default_rng(3)
 
 
-@pytest.fixture(scope="module")
-def keras():
-    return pytest.importorskip("keras")
-
-
 def _inputs(kind):
     """(y_true, y_pred) batches of the kind each metric takes."""
     if kind == "values":

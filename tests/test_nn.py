@@ -16,11 +16,6 @@ def rand(*shape):
     return RNG.standard_normal(shape).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def keras():
-    return pytest.importorskip("keras")
-
-
 def snapshot(module):
     return {v.name: np.array(v.numpy()) for v in module.variables}
 
