@@ -234,21 +234,33 @@ class SparseCategoricalAccuracy(_MeanOf):
         return matches.reshape(y_true.shape)
 
 
-class MeanSquaredError(_MeanOf):
+class _MeanError(_MeanOf):
+    """``mean(error(y_true - y_pred))`` over the last axis, then over samples (in float32 at
+    least), as Keras' ``MeanSquaredError`` / ``MeanAbsoluteError``."""
+
+    @staticmethod
+    def _error(diff: Array) -> Array:
+        raise NotImplementedError
+
+    def _values(self, y_true: Array, y_pred: Array) -> Array:
+        y_pred = y_pred.astype(jnp.result_type(y_pred.dtype, jnp.float32))
+        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
+        return jnp.mean(self._error(y_true - y_pred), axis=-1)
+
+
+class MeanSquaredError(_MeanError):
     """``mean((y_true - y_pred) ** 2)`` over the last axis, then over samples, as
     ``keras.metrics.MeanSquaredError``."""
 
-    def _values(self, y_true: Array, y_pred: Array) -> Array:
-        y_pred = y_pred.astype(jnp.result_type(y_pred.dtype, jnp.float32))
-        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
-        return jnp.mean(jnp.square(y_true - y_pred), axis=-1)
+    @staticmethod
+    def _error(diff: Array) -> Array:
+        return jnp.square(diff)
 
 
-class MeanAbsoluteError(_MeanOf):
+class MeanAbsoluteError(_MeanError):
     """``mean(|y_true - y_pred|)`` over the last axis, then over samples, as
     ``keras.metrics.MeanAbsoluteError``."""
 
-    def _values(self, y_true: Array, y_pred: Array) -> Array:
-        y_pred = y_pred.astype(jnp.result_type(y_pred.dtype, jnp.float32))
-        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
-        return jnp.mean(jnp.abs(y_true - y_pred), axis=-1)
+    @staticmethod
+    def _error(diff: Array) -> Array:
+        return jnp.abs(diff)
