@@ -67,11 +67,30 @@ def loss_and_metrics(logits: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Ar
 Step = Callable[[], jax.Array]
 
 
+def model_and_optimizer() -> tuple[ps.nn.Sequential, ps.Optimizer]:
+    """The MLP (built) and its Adam optimizer, in the current store."""
+    model = ps.nn.Sequential([ps.nn.Dense(HIDDEN, activation="relu"), ps.nn.Dense(CLASSES)])
+    model.build((None, D_IN))
+    return model, ps.Optimizer(optax.adam(1e-3), model)
+
+
+def train(
+    model: ps.nn.Sequential, opt: ps.Optimizer, x: jax.Array, y: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One Adam step (called inside each variant's ps.function): (loss, logits)."""
+
+    def loss_fn() -> tuple[jax.Array, jax.Array]:
+        logits = model(x)
+        return loss_and_metrics(logits, y)[0], logits
+
+    (loss, logits), grads = ps.value_and_grad(loss_fn, model, has_aux=True)()
+    opt.apply_gradients(grads)
+    return loss, logits
+
+
 def ps_metrics() -> Step:
     with ps.VariableStore():
-        model = ps.nn.Sequential([ps.nn.Dense(HIDDEN, activation="relu"), ps.nn.Dense(CLASSES)])
-        model.build((None, D_IN))
-        opt = ps.Optimizer(optax.adam(1e-3), model)
+        model, opt = model_and_optimizer()
         mean_loss = ps.metrics.Mean(name="loss")
         accuracy = ps.metrics.SparseCategoricalAccuracy()
         mse = ps.metrics.MeanSquaredError()
@@ -79,12 +98,7 @@ def ps_metrics() -> Step:
 
     @ps.function
     def step(x: jax.Array, y: jax.Array) -> jax.Array:
-        def loss_fn() -> tuple[jax.Array, jax.Array]:
-            logits = model(x)
-            return loss_and_metrics(logits, y)[0], logits
-
-        (loss, logits), grads = ps.value_and_grad(loss_fn, model, has_aux=True)()
-        opt.apply_gradients(grads)
+        loss, logits = train(model, opt, x, y)
         mean_loss.update_state(loss)
         accuracy.update_state(y, logits)
         mse.update_state(jax.nn.one_hot(y, CLASSES), jax.nn.softmax(logits))
@@ -95,20 +109,13 @@ def ps_metrics() -> Step:
 
 def ps_hand_sums() -> Step:
     with ps.VariableStore():
-        model = ps.nn.Sequential([ps.nn.Dense(HIDDEN, activation="relu"), ps.nn.Dense(CLASSES)])
-        model.build((None, D_IN))
-        opt = ps.Optimizer(optax.adam(1e-3), model)
+        model, opt = model_and_optimizer()
     x, y = data()
     sums = [jnp.zeros(6, jnp.float32)]  # loss total/count, correct total/count, sq total/count
 
     @ps.function
     def step(x: jax.Array, y: jax.Array, sums: jax.Array) -> tuple[jax.Array, jax.Array]:
-        def loss_fn() -> tuple[jax.Array, jax.Array]:
-            logits = model(x)
-            return loss_and_metrics(logits, y)[0], logits
-
-        (loss, logits), grads = ps.value_and_grad(loss_fn, model, has_aux=True)()
-        opt.apply_gradients(grads)
+        loss, logits = train(model, opt, x, y)
         _, correct, sq = loss_and_metrics(logits, y)
         n = jnp.float32(BATCH)
         add = jnp.stack([loss, 1.0, correct.sum(), n, sq.sum(), n])
@@ -124,20 +131,13 @@ def ps_hand_sums() -> Step:
 def ps_hand_variables() -> Step:
     """The hand-written sums kept in six scalar ps.Variables (the metrics' state layout)."""
     with ps.VariableStore():
-        model = ps.nn.Sequential([ps.nn.Dense(HIDDEN, activation="relu"), ps.nn.Dense(CLASSES)])
-        model.build((None, D_IN))
-        opt = ps.Optimizer(optax.adam(1e-3), model)
+        model, opt = model_and_optimizer()
         sums = [ps.Variable(0.0, trainable=False, name=f"sum{i}") for i in range(6)]
     x, y = data()
 
     @ps.function
     def step(x: jax.Array, y: jax.Array) -> jax.Array:
-        def loss_fn() -> tuple[jax.Array, jax.Array]:
-            logits = model(x)
-            return loss_and_metrics(logits, y)[0], logits
-
-        (loss, logits), grads = ps.value_and_grad(loss_fn, model, has_aux=True)()
-        opt.apply_gradients(grads)
+        loss, logits = train(model, opt, x, y)
         _, correct, sq = loss_and_metrics(logits, y)
         n = jnp.float32(BATCH)
         for v, add in zip(sums, (loss, 1.0, correct.sum(), n, sq.sum(), n)):
