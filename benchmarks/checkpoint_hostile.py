@@ -18,7 +18,7 @@ Rows (median and minimum of ``--repeats`` runs, taking turns within each repeat)
 Then the cost of atomic restores: ``Saver.restore`` of benchmarks/checkpoint.py's "many"
 (4,096 x 16 KiB) and "tiny" (10 KB) cases with its assignments under the state lock (as
 shipped) against the same restore with the lock taken per variable only (the assignments
-of ``_checkpoint_saver._assign_all`` called directly, as before). Target: <= 1.05x.
+of ``checkpoint.saver._assign_all`` called directly, as before). Target: <= 1.05x.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from pathlib import Path
 import numpy as np
 
 import paramstore as ps
-from paramstore import _checkpoint_saver, checkpoint
+from paramstore import checkpoint
 from paramstore.checkpoint import CheckpointError, Saver
+from paramstore.checkpoint import saver as _checkpoint_saver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_checkpoint_hostile_tf import entry, write_index  # noqa: E402  (the tests' writer)

@@ -459,7 +459,7 @@ def creation_rows(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     import paramstore as ps
-    from paramstore import _abstract
+    from paramstore._variable import abstract as _abstract
 
     n, dev = 8192, len(jax.devices())
     mesh = jax.make_mesh((dev,), ("x",))
@@ -751,7 +751,7 @@ def checkpoint_rows(args: argparse.Namespace) -> None:
 
 def _finished(manager: Any) -> bool:
     """Whether a manager's background sharded save has finished (benchmark only: reads the
-    manager's save in flight, an ``_orbax.AsyncWriter``)."""
+    manager's save in flight, an ``checkpoint.formats.orbax.format.AsyncWriter``)."""
     pending = getattr(manager, "_pending", None)
     writer = getattr(pending, "_inner", pending)  # the manager wraps it to prune after
     return writer is None or writer.done()

@@ -4,11 +4,12 @@ See ``docs/api.md`` for the reference; each module's docstring states its part o
 """
 
 from paramstore import checkpoint, initializers, metrics, nn, random, sharding, typing
-from paramstore._abstract import abstract
-from paramstore._display import display
-from paramstore._placement import device
-from paramstore._summary import summary
+from paramstore._core.placement import device
+from paramstore._display.display import display
+from paramstore._display.summary import summary
+from paramstore._variable.abstract import abstract
 from paramstore.checkpoint import CheckpointManager, Saver
+from paramstore.checkpoint.objects import Checkpoint
 from paramstore.function import Function, function
 from paramstore.functional import (
     State,
@@ -21,7 +22,6 @@ from paramstore.functional import (
     value_and_grad,
 )
 from paramstore.module import Module
-from paramstore.object_checkpoint import Checkpoint
 from paramstore.optimizer import Optimizer
 from paramstore.remat import remat
 from paramstore.scope import (

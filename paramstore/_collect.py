@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 
-from paramstore._store import State, VariableStore
+from paramstore._core.store import State, VariableStore
 from paramstore._traverse import walk
 from paramstore.module import Module
 from paramstore.typing import VariablesLike

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from paramstore._checkpoint_readers import opened
-from paramstore._format import (
+from paramstore._core.html import human_bytes
+from paramstore.checkpoint.format import (
     CheckpointError,
     EntryInfo,
     PathLike,
@@ -34,7 +34,7 @@ from paramstore._format import (
     is_string,
     no_such_variable,
 )
-from paramstore._html import human_bytes
+from paramstore.checkpoint.readers import opened
 
 
 def escape(text: str) -> str:

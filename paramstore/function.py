@@ -2,7 +2,7 @@
 
 How it works. For each new signature (argument shapes/dtypes, static arguments, and the
 identity of Variables/Modules passed as arguments) the function is traced **once** with
-``jax.make_jaxpr`` inside a capture frame (see ``_trace``):
+``jax.make_jaxpr`` inside a capture frame (see ``_core.frames``):
 
 * the first read of each variable records a zero-copy alias of its array as a constant of
   the jaxpr and binds the variable to that constant's tracer; the constants are then
@@ -10,7 +10,7 @@ identity of Variables/Modules passed as arguments) the function is traced **once
   arrays. A concrete read (``float(v)``) raises JAX's concretization error.
 * every assign is recorded; the final values become extra outputs, swapped into the
   variables after the call. Reads and assigns inside ``lax`` control flow, ``jax.vmap``,
-  ``jax.checkpoint`` and ``jax.grad`` bodies are ref effects (``_trace``), which the
+  ``jax.checkpoint`` and ``jax.grad`` bodies are ref effects (``_core.frames``), which the
   compiled program threads through those bodies.
 * variables created during the first trace from a traced value (a layer that builds
   itself from its input's shape) get their value from a small program cut out of the
@@ -23,14 +23,14 @@ identity of Variables/Modules passed as arguments) the function is traced **once
 Donation. A variable that the function both reads and assigns has its input buffer
 donated, so XLA updates it in place, but only a buffer the variable owns (one that came
 out of its own computation) and that was never handed out (``value()``, ``np.asarray``, a
-step's output...: ``_ownership`` records each hand-out by identity, no reference counts):
+step's output...: ``_core.ownership`` records each hand-out by identity, no reference counts):
 any other is copied once first, so an array the user holds stays valid. A program with
 host callbacks (``jax.debug.callback``, ``io_callback`` ...), which can raise while it
 runs, donates nothing and is waited for before its results are swapped in, so a run-time
 error leaves every variable as it was. ``donate=False`` turns donation off.
 
 Threads. Each call gathers its inputs, dispatches and swaps its outputs under the state
-lock (``_context.STATE_LOCK``), so it is atomic with respect to the variables it touches;
+lock (``_core.context.STATE_LOCK``), so it is atomic with respect to the variables it touches;
 dispatch is asynchronous, so the lock is held for microseconds, not for the computation.
 
 Variables may be created during the first trace only; creating one on a later trace
@@ -50,13 +50,13 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 
-from paramstore import _trace
-from paramstore._function_entry import Entry
-from paramstore._function_static import split, static_args, unhashable_message
-from paramstore._function_trace import Shardings, is_ref, trace_signature
-from paramstore._initial import flag
-from paramstore._jax import ARRAY_TYPE
-from paramstore._ownership import ownership
+from paramstore._core import frames as _trace
+from paramstore._core.jax_api import ARRAY_TYPE
+from paramstore._core.ownership import ownership
+from paramstore._function.entry import Entry
+from paramstore._function.static import split, static_args, unhashable_message
+from paramstore._function.trace import Shardings, is_ref, trace_signature
+from paramstore._variable.initial import flag
 from paramstore.module import Module
 from paramstore.variable import Variable
 

@@ -33,7 +33,7 @@ Contract (docs/api.md, "The functional core"):
   gradient in every place, as with ``tf.GradientTape``. Assigns that ``fn`` makes take
   effect, as in eager TensorFlow code. Works eagerly and in ``ps.function``.
 
-All of them run on one primitive, a binding frame (``_trace``); ``ps.function``'s trace
+All of them run on one primitive, a binding frame (``_core.frames``); ``ps.function``'s trace
 is the same frame with an open set of variables.
 """
 
@@ -45,11 +45,11 @@ from typing import Any, ParamSpec, TypeVar
 import jax
 import numpy as np
 
-from paramstore import _trace
 from paramstore._collect import Where, named, non_trainable, structured, trainable
-from paramstore._context import STATE_LOCK
-from paramstore._dtypes import shape_error
-from paramstore._store import State
+from paramstore._core import frames as _trace
+from paramstore._core.context import STATE_LOCK
+from paramstore._core.dtypes import shape_error
+from paramstore._core.store import State
 from paramstore.typing import PyTree, ValueLike, VariablesLike
 from paramstore.variable import Variable, VariableSlice
 

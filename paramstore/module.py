@@ -26,10 +26,11 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from paramstore import _html, _training
 from paramstore import scope as _scope
-from paramstore._context import Scope, ctx, prefixed
-from paramstore._store import default_store
+from paramstore._core import html as _html
+from paramstore._core import training as _training
+from paramstore._core.context import Scope, ctx, prefixed
+from paramstore._core.store import default_store
 from paramstore._traverse import Key, Node, walk
 from paramstore.variable import Variable
 
@@ -59,7 +60,7 @@ class Module(Node):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "__call__" in cls.__dict__:  # training= travels down (paramstore/_training.py)
+        if "__call__" in cls.__dict__:  # training= travels down (paramstore/_core/training.py)
             cls.__call__ = _training.propagate(cls.__dict__["__call__"])  # type: ignore[method-assign]
         init = cls.__dict__.get("__init__")
         if init is None:
@@ -148,10 +149,10 @@ class Module(Node):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} '{self._scope_name}' ({len(self.variables)} variables)>"
 
-    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_html.py)
+    def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_core/html.py)
         return _html.module_html(self)
 
-    # Hook for ps.Checkpoint's deferred restoration (paramstore/object_checkpoint.py): a
+    # Hook for ps.Checkpoint's deferred restoration (paramstore/checkpoint/objects.py): a
     # restore leaves the values of not-yet-created variables in ``_ps_pending``; assigning
     # the attribute that holds them (a Variable, a sub-Module, a list...) hands them over.
     def __setattr__(self, name: str, value: Any) -> None:

@@ -11,7 +11,7 @@ Contract (docs/api.md, "Initializers and randomness"):
   a ``ps.function``, every call draws new numbers (a compiled function reads and writes
   the state like any variable, so it never repeats the numbers of its trace).
 * ``next_key()``: inside a variable's initializer, a key derived from the global seed and
-  the variable's full name (``paramstore._seed``: adding a layer leaves the other layers'
+  the variable's full name (``paramstore._core.seed``: adding a layer leaves the other layers'
   initial values unchanged); elsewhere a key from the *global generator*, which advances
   inside ``ps.function`` calls too. The global generator is created on first use and lives
   in no user store (``ps.Saver()`` does not save it; ``get_global_generator()`` returns it
@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from paramstore import _seed, _trace
-from paramstore._context import STATE_LOCK
-from paramstore._seed import get_seed, naming
-from paramstore._store import VariableStore
+from paramstore._core import frames as _trace
+from paramstore._core import seed as _seed
+from paramstore._core.context import STATE_LOCK
+from paramstore._core.seed import get_seed, naming
+from paramstore._core.store import VariableStore
 from paramstore.variable import Variable
 
 __all__ = [

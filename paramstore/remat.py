@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast, overload
 import jax
 import numpy as np
 
-from paramstore import _trace
+from paramstore._core import frames as _trace
 from paramstore.variable import Variable, VariableSlice
 
 __all__ = ["remat", "checkpoint_policy"]

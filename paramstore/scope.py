@@ -31,10 +31,10 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from paramstore import initializers as _init
-from paramstore._context import Scope, ctx, prefixed
-from paramstore._dtypes import canonical_dtype
-from paramstore._initial import flag
-from paramstore._store import VariableStore, default_store, preview_names
+from paramstore._core.context import Scope, ctx, prefixed
+from paramstore._core.dtypes import canonical_dtype
+from paramstore._core.store import VariableStore, default_store, preview_names
+from paramstore._variable.initial import flag
 from paramstore.typing import InitializerLike, ShapeLike
 from paramstore.variable import Variable
 

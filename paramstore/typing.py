@@ -48,10 +48,10 @@ from jax.sharding import Mesh, Sharding
 from jax.typing import ArrayLike, DTypeLike
 
 if TYPE_CHECKING:
-    from paramstore._placement import Layouts
-    from paramstore._store import VariableStore
+    from paramstore._core.placement import Layouts
+    from paramstore._core.store import VariableStore
+    from paramstore.checkpoint.objects import Checkpoint
     from paramstore.module import Module
-    from paramstore.object_checkpoint import Checkpoint
     from paramstore.variable import Variable
 
 __all__ = [

@@ -4,7 +4,7 @@ Contract (see docs/api.md, "Variables"):
 
 * A Variable holds one immutable array. ``assign`` builds a new array and swaps it in, so a
   value read before an assign keeps its old contents. Shape and dtype never change.
-* dtype inference and the conversions an assign accepts are ``paramstore._dtypes``'s: TF's
+* dtype inference and the conversions an assign accepts are ``paramstore._core.dtypes``'s: TF's
   inference for Python values, lossless conversions only (``TypeError`` naming both dtypes
   otherwise). ``assign`` needs the exact shape; ``assign_add``/``assign_sub`` broadcast the
   delta to it. Bool variables only support ``assign``; typed PRNG key variables
@@ -23,7 +23,7 @@ Contract (see docs/api.md, "Variables"):
   state lock (``STATE_LOCK``), which ``ps.function`` calls also hold while they gather,
   dispatch and swap. So each assign and each compiled call is atomic, concurrent
   ``assign_add``s lose nothing, and a read never meets a buffer that a step donates.
-* Ownership is ``_ownership``'s: it records every array it hands out (``value()``,
+* Ownership is ``_core.ownership``'s: it records every array it hands out (``value()``,
   ``np.asarray(v)``, a pytree flatten, a step's output...) by identity, and a compiled step
   donates a variable's array only if it came out of the variable's own computation and was
   never handed out; any other is copied first (once). No reference counts are used.
@@ -34,16 +34,16 @@ Contract (see docs/api.md, "Variables"):
   flag; a new unique name in the current default store); ``pickle`` raises ``TypeError``
   pointing to ``ps.Saver`` / ``ps.Checkpoint``.
 * Where a new variable lives and how its initializer runs (docs/api.md, "Models larger than one
-  device") is ``paramstore._creation``'s: an initializer with a multi-device sharding runs
+  device") is ``paramstore._variable.creation``'s: an initializer with a multi-device sharding runs
   compiled with it as output sharding; inside ``ps.abstract()`` a variable is an
   ``_Abstract`` one (shape, dtype, sharding, ``partition``; every use a ``ValueError``,
-  except where an active frame binds it to a value: ``_trace.bound``, how a
+  except where an active frame binds it to a value: ``_core.frames.bound``, how a
   ``ps.nn.Repeat`` traces and scans an abstract template block).
   ``set_initial_value`` is the one way to make an abstract variable concrete with a given
   array (checkpoint restores call it, and ``ps.initialize``).
 
-The class is built in three steps, one job each: ``_variable_read.Reads`` (reading, the
-properties, ``repr``), ``_variable_write.Writes`` (assigns, conversions, the one write path)
+The class is built in three steps, one job each: ``_variable.read.Reads`` (reading, the
+properties, ``repr``), ``_variable.write.Writes`` (assigns, conversions, the one write path)
 and ``Variable`` here (creation, copies, the detached and abstract kinds, pytree registration).
 """
 
@@ -57,18 +57,19 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec, Sharding
 from jax.typing import DTypeLike
 
-from paramstore import _abstract, _trace
-from paramstore._context import STATE_LOCK, prefixed
-from paramstore._creation import abstract_value, created, shaped
-from paramstore._dtypes import STRING, is_key_dtype, shape_error
-from paramstore._initial import flag, fresh
-from paramstore._jax import Tracer, refuse_as_array
-from paramstore._layout import Partition, check_partition
-from paramstore._ownership import ownership
-from paramstore._placement import place
-from paramstore._slice import VariableSlice
-from paramstore._store import default_store
-from paramstore._variable_write import Writes
+from paramstore._core import frames as _trace
+from paramstore._core.context import STATE_LOCK, prefixed
+from paramstore._core.dtypes import STRING, is_key_dtype, shape_error
+from paramstore._core.jax_api import Tracer, refuse_as_array
+from paramstore._core.layout import Partition, check_partition
+from paramstore._core.ownership import ownership
+from paramstore._core.placement import place
+from paramstore._core.store import default_store
+from paramstore._variable import abstract as _abstract
+from paramstore._variable.creation import abstract_value, created, shaped
+from paramstore._variable.initial import flag, fresh
+from paramstore._variable.slice import VariableSlice
+from paramstore._variable.write import Writes
 from paramstore.typing import DeviceLike, Index, InitialValue, ShapeLike, ValueLike
 
 __all__ = ["Variable", "VariableSlice", "Reference", "set_initial_value"]
@@ -104,7 +105,7 @@ class Variable(Writes):
     """A named, stateful array (see the module docstring for the contract)."""
 
     __slots__ = (
-        "_value",  # the array: read and written by paramstore._ownership only
+        "_value",  # the array: read and written by paramstore._core.ownership only
         "_given",  # id() of the array last handed out (ownership's record)
         "_name",
         "_trainable",
@@ -237,9 +238,9 @@ class _Detached(Variable):
 
 class _Abstract(Variable):
     """A variable with a shape, dtype and sharding but no value (``ps.abstract()``): every
-    use raises ``_abstract.error``; ``_write`` (through ``set_initial_value``) gives it its
+    use raises ``_variable.abstract.error``; ``_write`` (through ``set_initial_value``) gives it its
     value and turns it into a plain ``Variable``. The one exception: where an active frame
-    binds it (``_trace.bound``: a ``ps.nn.Repeat``'s template inside its scan, or its
+    binds it (``_core.frames.bound``: a ``ps.nn.Repeat``'s template inside its scan, or its
     abstract build), reads and assigns see that binding, as for any variable."""
 
     __slots__ = ()

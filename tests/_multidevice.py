@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import paramstore as ps
-from paramstore import _abstract
+from paramstore._variable import abstract as _abstract
 
 
 def run_checks(checks: Mapping[str, Callable[[], Any]], out: str) -> None:
@@ -96,7 +96,7 @@ def multi_device_tests(
 
 def init_programs(run: Callable[[], Any]) -> list[list[Any]]:
     """Call ``run()`` and return the output shardings of each sharded initialization program
-    it built (``paramstore._abstract.init_program``), in order."""
+    it built (``paramstore._variable.abstract.init_program``), in order."""
     programs: list[list[Any]] = []
     real = _abstract.init_program
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import paramstore as ps
-from paramstore import _abstract
+from paramstore._variable import abstract as _abstract
 from paramstore.variable import set_initial_value
 
 ABSTRACT = r"Variable '{}' is abstract .* restore a checkpoint .* ps\.initialize"

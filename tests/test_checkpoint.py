@@ -23,8 +23,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import paramstore as ps
-from paramstore import _checkpoint_file, _checkpoint_manager, checkpoint, cli
+from paramstore import checkpoint, cli
 from paramstore.checkpoint import CheckpointError, CheckpointManager, Saver
+from paramstore.checkpoint import manager as _checkpoint_manager
+from paramstore.checkpoint.formats.safetensors import file as _checkpoint_file
 
 STRING = np.dtypes.StringDType()
 

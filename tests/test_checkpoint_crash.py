@@ -41,7 +41,8 @@ CHILD = textwrap.dedent(
     import os, sys, time
     import numpy as np
     import paramstore as ps
-    from paramstore import _checkpoint_file, checkpoint
+    from paramstore import checkpoint
+    from paramstore.checkpoint.formats.safetensors import file as _checkpoint_file
 
     directory, pause = sys.argv[1], sys.argv[2] == "pause"
     variables = [ps.Variable(np.full(2**20, i, np.float32), name=f"layer_{i}/w") for i in range(16)]
@@ -146,7 +147,8 @@ def test_async_save_error_at_exit_is_reported(tmp_path):
         """
         import sys
         import paramstore as ps
-        from paramstore import _checkpoint_manager, checkpoint
+        from paramstore import checkpoint
+        from paramstore.checkpoint import manager as _checkpoint_manager
 
         def fail(path, arrays):
             raise OSError("disk on fire")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import paramstore as ps
-from paramstore import _checkpoint_file, checkpoint, cli
+from paramstore import checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
+from paramstore.checkpoint.formats.safetensors import file as _checkpoint_file
 
 needs_orbax = pytest.mark.skipif(
     importlib.util.find_spec("orbax") is None, reason="orbax-checkpoint missing"

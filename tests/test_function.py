@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import paramstore as ps
-from paramstore._ownership import ownership
+from paramstore._core.ownership import ownership
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import paramstore as ps
-from paramstore import _abstract
+from paramstore._variable import abstract as _abstract
 
 CHECKS: dict[str, Callable[[], None]] = {}
 

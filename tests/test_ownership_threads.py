@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import paramstore as ps
-from paramstore._ownership import ownership
+from paramstore._core.ownership import ownership
 
 DEADLINE = 60.0  # seconds: a deadlock fails the test instead of hanging CI
 

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import paramstore as ps
-from paramstore._jax import Tracer
+from paramstore._core.jax_api import Tracer
 
 D = 8
 ABSTRACT = r"Variable '{}' is abstract .* restore a checkpoint .* ps\.initialize"

@@ -34,8 +34,8 @@ import pytest
 import xxhash
 
 import paramstore as ps
-from paramstore import _orbax_integrity as integrity
 from paramstore.checkpoint import CheckpointError, Saver
+from paramstore.checkpoint.formats.orbax import integrity
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("orbax") is None, reason="orbax-checkpoint missing"

@@ -26,7 +26,7 @@ OTHER = "Design"  # the nav section that receives pages nobody listed in mkdocs.
 # Public submodules that ``paramstore.__all__`` does not list (yet): documented all the same.
 EXTRA_MODULES = ("sharding",)
 # Classes whose methods live on private base classes (modules kept small: ``Variable`` is
-# ``_variable_read.Reads`` + ``_variable_write.Writes`` + its own): rendered with their
+# ``_variable.read.Reads`` + ``_variable.write.Writes`` + its own): rendered with their
 # inherited members, which are their own API.
 SPLIT_CLASSES = ("paramstore.variable.Variable",)
 

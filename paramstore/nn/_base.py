@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore._summary import summary
+from paramstore._display.summary import summary
 from paramstore.module import Module
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore import scope as _scope
-from paramstore._layout import Partition
+from paramstore._core.layout import Partition
 from paramstore.nn._base import Layer, Shape, as_float, initializer
 from paramstore.typing import LayerInitializer, ValueLike
 from paramstore.variable import Variable

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from paramstore import initializers as _init
-from paramstore._layout import Partition
+from paramstore._core.layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,

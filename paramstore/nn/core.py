@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from paramstore import functional as _functional
 from paramstore import initializers as _init
 from paramstore import random as _random
-from paramstore._jax import Tracer
-from paramstore._layout import Partition
+from paramstore._core.jax_api import Tracer
+from paramstore._core.layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore._layout import Partition
+from paramstore._core.layout import Partition
 from paramstore.nn._base import Layer, Shape, as_float, features
 from paramstore.typing import ValueLike
 from paramstore.variable import Variable

@@ -1,0 +1,383 @@
+"""Binding frames: the one mechanism behind ``ps.function``, ``ps.pure`` and the gradients.
+
+A *frame* binds variables to values (usually tracers) for the duration of a call, on the
+current thread only. While a frame is active, ``Variable.value()`` returns the bound value
+and an assign rebinds it; the real variables are never touched. Frames nest:
+
+* a *pure* frame (``ps.pure``) binds a fixed set of variables; reads of other variables
+  pass through to the enclosing frame (or the real value); assigning a variable outside
+  its set is an error, because its new value could not be returned.
+* an *open* frame (``ps.grad``) is a pure frame that also records assigns to variables
+  outside its set, so they can be applied after the call.
+* a *capture* frame (``ps.function``'s trace) has an open set: the first read of a variable
+  records a zero-copy alias of its array as a constant of the jaxpr (which ``ps.function``
+  lifts to an input) and binds the variable to that constant's tracer, so a concrete read
+  (``float(v)``) raises JAX's concretization error instead of baking a value in. Variables
+  created with a traced initial value are bound here too (``create``).
+
+State inside control flow. A binding is a plain Python value while it is used in the
+frame's own trace (its *base*: the trace that was current when the frame was pushed). The
+first time a variable is read or written from a nested trace (a ``lax.fori_loop``, ``scan``,
+``while_loop``, ``cond``/``switch`` body, ``jax.checkpoint``, ``jax.vmap``, ``jax.grad``...),
+its binding is promoted to a ``jax.new_ref`` created in the base trace; from then on reads
+and writes are ref effects, which every JAX transformation threads through its bodies, and
+the frame's result is the ref's final value. Straight-line code never creates a ref, so
+its jaxpr is exactly what a hand-written pure function gives.
+
+Abstract variables (``ps.abstract()``) have no value to capture or read through: they read
+and assign only what a frame binds them to (``bound``). A ``ps.nn.Repeat`` scan binds its
+abstract template block's variables to the layer slices; a ``shapes`` frame (the Repeat's
+abstract build, traced by ``jax.eval_shape``) binds any abstract variable read inside it to
+zeros staged in its trace, so a block is traced for its shapes without a value existing.
+
+``depth`` counts active frames over all threads, so ``Variable.value()`` costs one global
+check when no frame is active anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from paramstore._core.context import ctx
+from paramstore._core.jax_api import (
+    EVAL,
+    Tracer,
+    current_trace,
+    in_shard_map,
+    in_trace,
+    in_while_cond,
+    ref_in,
+    staging,
+    trace_of,
+    tracer_in,
+    vmap_home,
+)
+from paramstore._core.ownership import ownership
+
+__all__ = [
+    "Frame",
+    "PURE",
+    "OPEN",
+    "CAPTURE",
+    "push",
+    "active",
+    "read",
+    "bound",
+    "bind",
+    "create",
+]
+
+Variable = Any  # paramstore.variable.Variable, which sits above this module
+
+PURE, OPEN, CAPTURE = 0, 1, 2
+depth = 0  # active frames, all threads together
+_depth_lock = threading.Lock()
+
+NON_FIRST_TRACE = "ps.function-decorated function tried to create variables on non-first trace."
+
+
+class Frame:
+    """Variables bound to values for one call (see the module docstring)."""
+
+    __slots__ = (
+        "owner",
+        "kind",
+        "base",
+        "values",
+        "refs",
+        "vars",
+        "assigned",
+        "captured",
+        "created",
+        "allow_create",
+        "shapes",
+    )
+
+    def __init__(
+        self,
+        owner: str,
+        kind: int = PURE,
+        bound: list[tuple[Variable, Any]] | None = None,
+        *,
+        allow_create: bool = True,
+        shapes: bool = False,
+    ) -> None:
+        self.owner = owner
+        self.kind = kind
+        self.base: Any = None  # set by push
+        # id(variable) -> its value (or ref) here; `vars` keeps the variables alive.
+        self.values: dict[int, Any] = {}
+        self.refs: dict[int, Any] = {}
+        self.vars: dict[int, Variable] = {}
+        self.assigned: dict[int, Variable] = {}
+        self.captured: dict[int, tuple[Variable, Any]] = {}
+        self.created: list[tuple[Variable, Any]] = []
+        self.allow_create = allow_create
+        self.shapes = shapes  # binds abstract variables to zeros on first read (see bound)
+        for var, value in bound or ():
+            self.values[id(var)] = value
+            self.vars[id(var)] = var
+
+    def get(self, key: int) -> Any:
+        if current_trace() is self.base:
+            ref = self.refs.get(key)
+            return self.values[key] if ref is None else ref[...]
+        self._check_nested(key, "read")
+        ref = self.refs.get(key)
+        return (ref if ref is not None else self._promote(key))[...]
+
+    def _check_nested(self, key: int, what: str) -> None:
+        if in_shard_map(self.base):
+            var = self.vars.get(key)
+            name = var.name if var is not None else "?"
+            raise TypeError(
+                f"Variable '{name}' was {what} inside a jax.shard_map body, where each "
+                "device sees its own shard and a variable's single value cannot be read or "
+                "written. Pass its value in as an argument of the shard_map "
+                "(v.value()) and assign the result outside the body."
+            )
+
+    def put(self, key: int, value: Any, name: str = "", update: str = "") -> None:
+        """Bind ``value`` (``update``: the name of the op it results from, e.g.
+        ``assign_add``, which reads what it writes)."""
+        ref = self.refs.get(key)
+        if ref is None:
+            if current_trace() is self.base:
+                self.values[key] = value
+                return
+            ref = self._promote(key)
+        self._check_nested(key, "assigned")
+        if in_while_cond(self.base):
+            raise TypeError(
+                f"Variable '{name}' was assigned in a jax.lax.while_loop condition. JAX "
+                "evaluates a condition a number of times of its own choosing while tracing "
+                "and running the loop, so the assign could not happen as often as eager "
+                "code would. Assign it in the loop body (or before the loop) and only read "
+                "variables in the condition."
+            )
+        home, batched = vmap_home(value, self.base)
+        if batched:
+            raise TypeError(
+                f"Variable '{name}' was assigned a value that varies over the batch of an "
+                "enclosing jax.vmap, but a variable holds one value, not one per example. "
+                "Return the per-example values from the vmapped function and assign a "
+                "reduction of them outside it (e.g. v.assign(per_example.mean(axis=0))), or "
+                "vmap over ps.pure(fn, variables) to get one copy of the state per example."
+            )
+        if home is not None and update:
+            raise TypeError(
+                f"Cannot {update} variable '{name}' inside a jax.vmap body: run row by row, "
+                "as eager code would, it would apply once per example, which a vmapped "
+                "body cannot express. Sum the per-example deltas and apply them outside "
+                f"the vmap (v.{update}(deltas.sum(axis=0)))."
+            )
+        if home is None:
+            ref[...] = value
+        else:  # a batch-independent value: written once, in the trace around the vmaps
+            with in_trace(home):
+                ref[...] = value
+
+    def _promote(self, key: int) -> Any:
+        ref = self.refs[key] = ref_in(self.base, self.values[key])
+        return ref
+
+    def final(self, var: Variable) -> Any:
+        """``var``'s value at the end of the frame (call it in the base trace)."""
+        ref = self.refs.get(id(var))
+        return ref[...] if ref is not None else self.values[id(var)]
+
+    def capture(self, var: Variable, outer: Any) -> None:
+        """Bind ``var`` to a new constant of this (capture) frame's jaxpr holding ``outer``."""
+        alias = _alias(outer)
+        self.values[id(var)] = tracer_in(self.base, alias)
+        self.vars[id(var)] = var
+        self.captured[id(var)] = (var, alias)
+
+
+def active() -> bool:
+    """Whether a frame is active on this thread."""
+    return bool(depth and ctx.frames)
+
+
+@contextlib.contextmanager
+def push(frame: Frame) -> Iterator[Frame]:
+    global depth
+    frame.base = current_trace()
+    stack = ctx.frames
+    stack.append(frame)
+    with _depth_lock:
+        depth += 1
+    try:
+        yield frame
+    finally:
+        stack.pop()
+        with _depth_lock:
+            depth -= 1
+
+
+def _alias(value: Any) -> Any:
+    """A new Python object for the same buffer(s), so that each variable's constant has its
+    own identity in a jaxpr even when two variables share one array."""
+    if isinstance(value, jax.Array) and not isinstance(value, Tracer):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # a typed key array
+            with jax.ensure_compile_time_eval():  # concrete, not ops of the current trace
+                data = jax.random.key_data(value)
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+        shards = [s.data for s in value.addressable_shards]
+        return jax.make_array_from_single_device_arrays(value.shape, value.sharding, shards)
+    return value
+
+
+def _lookup(stack: list[Frame], i: int, var: Variable, captured: bool = False) -> Any:
+    """``var``'s value seen from frame ``i`` down (``captured``: for a capture frame above,
+    which turns a real value into an input of its program, so nothing is baked in)."""
+    key = id(var)
+    while i >= 0:
+        frame = stack[i]
+        if key in frame.values:
+            return frame.get(key)
+        if frame.kind == CAPTURE:
+            frame.capture(var, _lookup(stack, i - 1, var, captured=True))
+            return frame.get(key)
+        i -= 1
+    # captured: the array becomes a constant of the trace, so it is handed out (a step in
+    # another thread may not donate it while the trace, which holds no lock, uses it)
+    return ownership.hand_out(var) if captured else outside(var)
+
+
+def outside(var: Variable) -> Any:
+    """``var``'s real value, refused where a trace would bake it in as a constant."""
+    trace = current_trace()
+    if trace is not EVAL and staging(trace):
+        raise TypeError(
+            f"Variable '{var.name}' was read inside a JAX trace that compiles (jax.jit, "
+            "jax.lax control flow, jax.make_jaxpr ...) outside any ps.function or ps.pure: "
+            "its current value would be baked into the compiled program as a constant and "
+            "go stale after the next assign. Decorate the outer function with @ps.function, "
+            "or pass the variable's values in with ps.pure(fn, variables). To export a "
+            "model with its current values as constants, close over ps.state(model) in a "
+            "ps.pure function (see docs/state.md)."
+        )
+    return ownership.hand_out(var)
+
+
+def read(var: Variable) -> Any:
+    """The value ``var`` has on this thread: bound by a frame, or its real value."""
+    stack = ctx.frames
+    if not stack:
+        return outside(var)
+    if var._is_string:
+        raise TypeError(
+            f"Variable '{var.name}' holds strings (host-side NumPy data) and cannot be used "
+            f"inside {stack[-1].owner}. Read it outside the compiled or transformed function "
+            "and pass what you need as a static argument."
+        )
+    return _lookup(stack, len(stack) - 1, var)
+
+
+def bound(var: Variable) -> tuple[bool, Any]:
+    """``(True, value)`` when an active frame binds the ABSTRACT variable ``var`` (which has
+    no value of its own, so nothing is captured or read through): a ``ps.nn.Repeat``'s scan
+    binds its template's variables to the current layer's slices. A frame made with
+    ``shapes=True`` (a trace that only learns shapes, such as a Repeat's abstract build)
+    binds an abstract variable it does not hold to zeros of its shape and dtype, staged in
+    its own trace, on first read. ``(False, None)`` when no frame binds it."""
+    key = id(var)
+    for frame in reversed(ctx.frames):
+        if key in frame.values:
+            return True, frame.get(key)
+        if frame.shapes:
+            with in_trace(frame.base):
+                frame.values[key] = jnp.zeros(var.shape, var.dtype)
+            frame.vars[key] = var
+            return True, frame.get(key)
+    return False, None
+
+
+def bind(var: Variable, value: Any, update: str = "") -> bool:
+    """Rebind ``var`` in the innermost frame that owns it. False when no frame is active."""
+    stack = ctx.frames
+    if not stack:
+        return False
+    key = id(var)
+    for i in range(len(stack) - 1, -1, -1):
+        frame = stack[i]
+        if key not in frame.values:
+            if frame.kind == PURE:
+                raise ValueError(
+                    f"{frame.owner} assigned variable '{var.name}', which is not among the "
+                    "variables it was given, so its new value could not be returned. Pass "
+                    "that variable too (e.g. model.variables rather than "
+                    "model.trainable_variables)."
+                )
+            if current_trace() is not frame.base:  # a nested write updates a ref of the
+                if frame.kind == CAPTURE:  # value before it: bind that value first
+                    frame.capture(var, _lookup(stack, i - 1, var, captured=True))
+                else:
+                    frame.values[key] = _lookup(stack, i - 1, var)
+                    frame.vars[key] = var
+            else:
+                frame.vars[key] = var
+        frame.put(key, value, var.name, update)
+        frame.assigned[key] = var
+        return True
+    return False
+
+
+def check_create() -> None:
+    """Raise when a variable may not be created here (a non-first ps.function trace)."""
+    for frame in ctx.frames:
+        if not frame.allow_create:
+            raise ValueError(
+                NON_FIRST_TRACE + " Create variables outside the function, or only on its "
+                "first call (e.g. `if self.w is None: self.w = ps.Variable(...)`)."
+            )
+
+
+def creation_trace() -> Any:
+    """Where a new variable's initializer should run: the base trace of the enclosing
+    capture frame (so a layer built inside ps.grad or a lax.scan body still gets an
+    initial value the trace can compute), else None (the current trace)."""
+    stack = ctx.frames
+    return stack[0].base if stack and stack[0].kind == CAPTURE else None
+
+
+def create(var: Variable, value: Any) -> None:
+    """Bind a variable created with a traced initial value in the enclosing capture frame.
+
+    The value is copied to a jaxpr variable of its own, which ``ps.function`` turns into an
+    input after the trace (and computes once, as the variable's initial value)."""
+    stack = ctx.frames
+    frame = stack[0] if stack and stack[0].kind == CAPTURE else None
+    if frame is None or trace_of(value) is not frame.base:
+        where = stack[-1].owner if stack else "a plain JAX transformation (jax.jit, ...)"
+        raise ValueError(
+            f"The initial value of variable '{var.name}' is a traced value computed inside "
+            f"{where}, where it cannot become a variable's state. Create variables in the "
+            "body of a ps.function itself (not inside ps.pure, ps.grad, a lax control-flow "
+            "body or a plain jax.jit), or outside it, or pass a concrete value or a "
+            "callable (e.g. ps.Variable(lambda: jnp.zeros(shape)))."
+        )
+    with in_trace(frame.base):  # its own jaxpr variable, distinct from `value`
+        copy = jnp.array(value, copy=True)
+    frame.values[id(var)] = copy
+    frame.vars[id(var)] = var
+    frame.created.append((var, copy))
+
+
+@contextlib.contextmanager
+def no_frames() -> Iterator[None]:
+    """Run a block as if no frame were active on this thread (for state that is created
+    once and shared, such as the global generator)."""
+    saved = ctx.frames
+    ctx.frames = []
+    try:
+        yield
+    finally:
+        ctx.frames = saved

@@ -1,0 +1,1 @@
+"""Showing modules and variables: ``ps.summary`` and ``ps.display``."""

@@ -1,0 +1,360 @@
+"""Tracing one new signature of a ``ps.function`` into its compiled ``Entry``.
+
+``trace_signature`` runs the Python function once under ``jax.make_jaxpr`` inside a capture
+frame (``_core.frames``); ``_lift`` turns the captured variables' constants (and the created
+variables' initial values) into inputs, pairs donated inputs with their outputs, works out
+which variables' arrays may be handed out (``_shared``) and builds the ``jax.jit`` runner
+with the shardings asked for (``_leaf_shardings``); ``_initialize`` computes the initial
+values of variables created from traced values in that trace. See ``function``'s module
+docstring for the contract.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+from jax.sharding import Sharding
+
+from paramstore import sharding as _sharding
+from paramstore._core import frames as _trace
+from paramstore._core.jax_api import init_program, pure_jaxpr
+from paramstore._core.ownership import ownership
+from paramstore._core.store import default_store
+from paramstore._function.entry import Entry
+from paramstore._function.static import merge
+from paramstore.module import Module
+from paramstore.variable import Variable, VariableSlice
+
+__all__ = ["Shardings", "is_ref", "trace_signature"]
+
+# in_shardings / out_shardings: one Sharding for every array, or a pytree prefix of the
+# positional arguments (of the result) with a Sharding or None (unspecified) at its leaves.
+Shardings = Sharding | None | tuple[Any, ...] | list[Any] | dict[str, Any]
+
+_HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
+
+
+def is_ref(x: Any) -> bool:
+    """Whether ``x`` is passed by reference (read, not passed): a Variable or a Module."""
+    return isinstance(x, (Variable, Module))
+
+
+def _is_var_or_slice(x: Any) -> bool:
+    return isinstance(x, (Variable, VariableSlice))
+
+
+def trace_signature(
+    name: str,
+    fn: Callable[..., Any],
+    leaves: list[Any],
+    treedef: Any,
+    static: tuple[Any, ...],
+    *,
+    first: bool,
+    donate: bool,
+    in_shardings: Shardings,
+    out_shardings: Shardings,
+) -> Entry:
+    """Trace ``fn`` (``name`` in messages) for the flat arguments ``leaves`` (``treedef``
+    over ``(args, kwargs)`` less the ``static`` ones) and build its entry. ``first``: the
+    function's first trace, the only one that may create variables."""
+    owner = f"ps.function '{name}'"
+    frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=first)
+    ref_pos = [i for i, x in enumerate(leaves) if is_ref(x)]
+    refs = {i: leaves[i] for i in ref_pos}
+    arrays = [x for i, x in enumerate(leaves) if i not in refs]
+    result: dict[str, Any] = {"out_tree": None, "assigned": []}
+
+    def flat(*arrays: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        it = iter(arrays)
+        full = [refs[i] if i in refs else next(it) for i in range(len(leaves))]
+        args, kwargs = merge(jax.tree_util.tree_unflatten(treedef, full), static)
+        out_leaves: list[Any] = []
+        new: list[Any] = []
+        with _trace.push(frame):
+            try:
+                out = fn(*args, **kwargs)
+                out_leaves, result["out_tree"] = jax.tree_util.tree_flatten(
+                    out, is_leaf=_is_var_or_slice
+                )
+                out_leaves = [x.value() if _is_var_or_slice(x) else x for x in out_leaves]
+                result["assigned"] = list(frame.assigned.values())
+                new = list(map(frame.final, result["assigned"]))
+            except Exception as e:
+                if not frame.created:
+                    raise
+                result["error"] = e  # finish the trace to give the created variables
+                out_leaves, new, result["assigned"] = [], [], []  # their values
+        return out_leaves, new, [x for _, x in frame.created]
+
+    # No lock is held while the body is traced: a captured array is handed out
+    # (_trace), so no step in another thread donates what this trace holds.
+    closed = jax.make_jaxpr(flat)(*arrays)
+    if frame.created:
+        _initialize(closed, frame.created, result.get("error"))
+    if "error" in result:
+        raise result["error"]
+    _sharding.settle_unplaced(
+        result["assigned"],
+        [*(ownership.peek(v) for v, _ in frame.captured.values()), *arrays],
+    )
+    return _lift(
+        name,
+        closed,
+        frame,
+        result,
+        ref_pos,
+        list(refs.values()),
+        len(leaves),
+        treedef,
+        donate,
+        in_shardings,
+        out_shardings,
+    )
+
+
+def _lift(
+    name: str,
+    closed: Any,
+    frame: _trace.Frame,
+    result: dict[str, Any],
+    ref_pos: list[int],
+    refs: list[Any],
+    n_leaves: int,
+    treedef: Any,
+    donate: bool,
+    in_shardings: Shardings,
+    out_shardings: Shardings,
+) -> Entry:
+    """Turn the variables' constants (and created variables' initial values) into
+    inputs; build the runner."""
+    jaxpr = closed.jaxpr
+    n_created = len(frame.created)
+    var_of = {id(alias): var for var, alias in frame.captured.values()}
+    assigned: list[Variable] = result["assigned"]
+    written = {id(v) for v in assigned}
+    moved: list[tuple[Variable, Any]] = []
+    keep_vars, keep_consts = [], []
+    for cvar, const in zip(jaxpr.constvars, closed.consts):
+        var = var_of.get(id(const))
+        if var is None:
+            keep_vars.append(cvar)
+            keep_consts.append(const)
+        else:
+            moved.append((var, cvar))
+    # A created variable's initial value is the output of one `copy` (see
+    # _trace.create): in the step, that jaxpr variable becomes an input instead.
+    outvars = list(jaxpr.outvars)
+    init_vars = outvars[len(outvars) - n_created :]
+    cut = {id(v) for v in init_vars}
+    eqns = [e for e in jaxpr.eqns if not (len(e.outvars) == 1 and id(e.outvars[0]) in cut)]
+    moved += [(var, jv) for (var, _), jv in zip(frame.created, init_vars)]
+    outvars = outvars[: len(outvars) - n_created]
+    donated = [(v, c) for v, c in moved if id(v) in written]
+    readonly = [(v, c) for v, c in moved if id(v) not in written]
+    # jit pairs each output with the first unused donated input of the same shape and
+    # dtype, in order. Donated inputs in the order of their outputs, and those outputs
+    # first, pair every variable's new value with its own old buffer: XLA updates it in
+    # place, with no copies (a mismatched pairing, e.g. Adam's mu with its parameter,
+    # makes XLA copy each buffer to resolve the aliasing).
+    position = {id(v): i for i, v in enumerate(assigned)}
+    donated.sort(key=lambda vc: position[id(vc[0])])
+    donated_ids = {id(v) for v, _ in donated}
+    order = [position[id(v)] for v, _ in donated]
+    order += [i for i, v in enumerate(assigned) if id(v) not in donated_ids]
+    assigned = [assigned[i] for i in order]
+    moved = donated + readonly
+    invars = [c for _, c in moved] + list(jaxpr.invars)
+    info = jaxpr.debug_info
+    if info is not None:
+        arg_names = info.arg_names
+        if arg_names is not None:
+            arg_names = (*(v.name for v, _ in moved), *arg_names)
+        paths = info.result_paths
+        if paths is not None and not callable(paths):
+            paths = tuple(paths)[: len(outvars)]
+        info = info._replace(arg_names=arg_names, result_paths=paths)
+    lifted = jaxpr.replace(
+        constvars=keep_vars, invars=invars, eqns=eqns, outvars=outvars, debug_info=info
+    )
+    fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
+    n_out = len(outvars) - len(assigned)
+
+    # Assigned variables come back with the very sharding they went in with (jit's
+    # out_shardings; a with_sharding_constraint would hand back an equivalent but
+    # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
+    # next call sees the same input shardings (no recompilation) and placement is kept.
+    keep = [
+        sh if len(sh.device_set) > 1 else None
+        for sh in (ownership.peek(v).sharding for v in assigned)
+    ]
+
+    # An output that is also a variable's new value or a donated input (`return
+    # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
+    # could never be donated again: the output gets a copy of its own instead (one
+    # copy of the returned value, where sharing cost a copy of the variable per call).
+    new_vars = [outvars[n_out + i] for i in order]
+    own_ids = {id(v) for v in new_vars} | {id(c) for _, c in donated}
+    to_copy = frozenset(i for i, v in enumerate(outvars[:n_out]) if id(v) in own_ids)
+
+    def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
+        res = fun(*don, *ro, *arrays)
+        new = res[n_out:]
+        out = [jnp.copy(x) if i in to_copy else x for i, x in enumerate(res[:n_out])]
+        return [new[i] for i in order], out
+
+    wait = _has_host_callback(lifted)
+    kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
+    shared = _shared(moved, assigned, new_vars, kept)
+    donating = donate and bool(donated) and not wait
+    arg_sh = _leaf_shardings(name, in_shardings, treedef, n_leaves, ref_pos, True)
+    out_sh = _leaf_shardings(name, out_shardings, result["out_tree"], n_out, [], False)
+    has_keep = any(sh is not None for sh in keep)
+    runner = jax.jit(
+        run,
+        donate_argnums=(0,) if donating else (),
+        in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
+        out_shardings=(keep if has_keep else None, out_sh)
+        if has_keep or out_sh is not None
+        else None,
+    )
+    return Entry(
+        f"ps.function '{name}'",
+        runner,
+        [v for v, _ in donated],
+        [v for v, _ in readonly],
+        assigned,
+        result["out_tree"],
+        ref_pos,
+        refs,
+        n_leaves,
+        donating,
+        wait,
+        shared,
+    )
+
+
+def _leaf_shardings(
+    name: str, spec: Shardings, tree: Any, n: int, skip: list[int], args: bool
+) -> list[Any] | None:
+    """``spec`` (``in_shardings``: over the positional arguments; ``out_shardings``:
+    over the result) as one Sharding or None per flat leaf, leaves in ``skip``
+    (Variables/Modules passed as arguments) left out; None for no spec."""
+    if spec is None or tree is None:
+        return None
+    which = "in_shardings" if args else "out_shardings"
+    if isinstance(spec, Sharding):
+        per_leaf: list[Any] = [spec] * n
+    else:
+        example = jax.tree_util.tree_unflatten(tree, list(range(n)))
+        target = example[0] if args else example  # (args, kwargs) for arguments
+        per_leaf = [None] * n
+        is_spec = lambda x: x is None or isinstance(x, Sharding)  # noqa: E731
+        try:
+            pairs = jax.tree_util.tree_map(
+                lambda sh, sub: [(i, sh) for i in jax.tree_util.tree_leaves(sub)],
+                spec,
+                target,
+                is_leaf=is_spec,
+            )
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"{which} of ps.function '{name}' must be a Sharding, or a pytree "
+                "prefix of the "
+                + ("positional arguments" if args else "result")
+                + f" with a Sharding or None at each leaf: {e}"
+            ) from None
+        for i, sh in itertools.chain.from_iterable(
+            jax.tree_util.tree_leaves(pairs, is_leaf=lambda x: isinstance(x, list))
+        ):
+            if sh is not None and not isinstance(sh, Sharding):
+                raise TypeError(
+                    f"{which} of ps.function '{name}': expected a "
+                    f"jax.sharding.Sharding or None, got {type(sh).__name__}."
+                )
+            per_leaf[i] = sh
+    skipped = set(skip)
+    return [sh for i, sh in enumerate(per_leaf) if i not in skipped]
+
+
+def _has_host_callback(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if any(word in eqn.primitive.name for word in _HOST_CALLBACKS):
+            return True
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            if _has_host_callback(sub):
+                return True
+    return False
+
+
+def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) -> None:
+    """Compute the initial values of the variables created (with traced values) during the
+    trace ``closed``: run the part of the jaxpr they depend on, once, and write them."""
+    closed = pure_jaxpr(closed)
+    jaxpr = closed.jaxpr
+    n_out, n_created = len(jaxpr.outvars), len(created)
+    names = ", ".join(f"'{v.name}'" for v, _ in created)
+    used_out = [False] * (n_out - n_created) + [True] * n_created
+    init, used_in = init_program(jaxpr, used_out)
+    n_consts = len(jaxpr.constvars)
+    if any(used_in[n_consts:]):
+        for var, _ in created:
+            default_store()._forget(var)
+            ownership.take_initial(var, None)
+        raise ValueError(
+            f"The initial value of variable(s) {names}, created inside a ps.function, "
+            "depends on the values of the function's arguments. An initial value may depend "
+            "on their shapes and dtypes only (as Keras' build(input_shape)): compute it from "
+            "x.shape, or create the variable outside and assign it."
+        ) from error
+    consts = [c for c, used in zip(closed.consts, used_in[:n_consts]) if used]
+    init = init.replace(debug_info=init.debug_info.with_unknown_names())
+    # A variable created with a sharding (sharding=, a LayoutMap, axis rules) gets its value
+    # from a program compiled with that output sharding: no device holds more than its
+    # shards. The others come from a program with no output shardings, as before.
+    shardings = [ownership.peek(v).sharding for v, _ in created]
+    run = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, []))
+    values: list[Any] = [None] * n_created
+    placed = [i for i, sh in enumerate(shardings) if sh is not None]
+    for group in (placed, [i for i, sh in enumerate(shardings) if sh is None]):
+        if group:
+            outs = [shardings[i] for i in group] if group is placed else None
+            program = jax.jit(lambda *c, g=group: [run(*c)[i] for i in g], out_shardings=outs)
+            for i, value in zip(group, program(*consts)):
+                values[i] = value
+    for (var, _), value in zip(created, values):
+        override = ownership.take_initial(var, None)
+        sharding = ownership.peek(var).sharding
+        if override is not None and sharding is not None:
+            override = jax.device_put(override, sharding)
+        var._write(value if override is None else override, owned=True)
+
+
+def _shared(
+    moved: list[tuple[Variable, Any]], assigned: list[Variable], new: list[Any], outs: list[Any]
+) -> list[Variable]:
+    """The variables whose array an output of the lifted jaxpr is, or may be, after a call.
+
+    jit forwards an input that is returned unchanged and may return one buffer for two
+    equal outputs (or a cached constant for a literal): then the user, or a second
+    variable, holds that variable's buffer, which must count as handed out. ``moved``:
+    (variable, input var); ``new``: the assigned variables' output vars, in order;
+    ``outs``: the function's own outputs."""
+    counts: dict[int, int] = {}
+    for v in [*new, *outs]:
+        counts[id(v)] = counts.get(id(v), 0) + 1
+    inputs = {id(c) for _, c in moved}
+    shared = [
+        var
+        for var, v in zip(assigned, new)
+        if not isinstance(v, jex.core.Var) or counts[id(v)] > 1 or id(v) in inputs
+    ]
+    returned = {id(v) for v in outs}
+    written = {id(v) for v in assigned}
+    shared += [var for var, c in moved if id(c) in returned and id(var) not in written]
+    return shared

@@ -1,0 +1,185 @@
+"""Abstract variables and sharded initialization: shapes first, arrays only where they live.
+
+What variable creation consults (so it sits below ``variable``). Contract (docs/api.md, "Models
+larger than one device"):
+
+* ``with abstract():`` variables created inside get their shape, dtype and sharding only:
+  the initializer is traced for its shape (``jax.eval_shape``), not run, and nothing is
+  allocated. ``remember`` keeps its initializer until ``ps.initialize`` runs it or a
+  checkpoint restore gives the variable a value. Using an abstract variable in any way
+  raises ``error(name)``: a ``ValueError`` naming it and saying to restore or initialize
+  (where a binding frame gives it a value, ``paramstore._core.frames.bound``, it reads that).
+* ``shape_of(make)`` is the ``jax.ShapeDtypeStruct`` an initializer would produce, or None
+  when it cannot be traced on its own (it reads a variable, advances a generator, returns
+  strings): the caller then runs it eagerly, as before.
+* ``run_sharded(makes, shardings)`` runs initializers as ONE program compiled by
+  ``jax.jit(..., out_shardings=shardings)``: XLA partitions the computation, so each device
+  computes and holds only its own shard (a 8192x8192 float32 normal over 8 devices: 32 MiB
+  of output and 96 MiB of temporaries per device, against 256 MiB for the whole array). The
+  initializers run under their variables' names (``paramstore._core.seed.naming``), so each
+  draws its own name-derived key: two variables never get equal values from one
+  initializer, and a sharded variable gets exactly the values an unsharded one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Sharding
+
+__all__ = [
+    "abstract",
+    "creating",
+    "error",
+    "shape_of",
+    "trace_shape",
+    "run_sharded",
+    "init_program",
+    "remember",
+    "initializer_of",
+    "forget",
+    "spread",
+    "Joint",
+]
+
+Make = Callable[[], Any]
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def abstract() -> Iterator[None]:
+    """Create variables abstract inside this block: shape, dtype and sharding only
+    (``v.is_abstract``); ``ps.initialize`` or a checkpoint restore makes them concrete."""
+    _state.depth += 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def creating() -> bool:
+    """Whether variables created now are abstract (inside ``with ps.abstract():``)."""
+    return _state.depth > 0
+
+
+def error(name: str, what: str = "used") -> ValueError:
+    return ValueError(
+        f"Variable '{name}' is abstract (created inside ps.abstract(): it has a shape, dtype "
+        f"and sharding but no value yet), so it cannot be {what}. Give it its value first: "
+        "restore a checkpoint into it (ps.Checkpoint(...).restore, Saver.restore, "
+        "CheckpointManager.restore_latest), or run its initializer with "
+        "ps.initialize(model)."
+    )
+
+
+def spread(sharding: Sharding | None) -> bool:
+    """Whether ``sharding`` splits a value over several devices (then creation runs a
+    sharded program). A replicated value is whole on every device anyway: computing it
+    eagerly and copying it costs no more memory and no compilation."""
+    return (
+        sharding is not None and len(sharding.device_set) > 1 and not sharding.is_fully_replicated
+    )
+
+
+def shape_of(make: Make) -> jax.ShapeDtypeStruct | None:
+    """What ``make()`` would return, traced abstractly; None when it is not one array or
+    cannot be traced on its own (the caller then runs it eagerly)."""
+    return trace_shape(make)[0]
+
+
+def trace_shape(make: Make) -> tuple[jax.ShapeDtypeStruct | None, Exception | None]:
+    """``shape_of``, and the exception that stopped the trace (None if it did not fail)."""
+    try:
+        out = jax.eval_shape(make)
+    except Exception as e:  # reads a variable, advances a generator, strings ...
+        return None, e
+    return (out if isinstance(out, jax.ShapeDtypeStruct) else None), None
+
+
+def init_program(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> Any:
+    """The jitted program computing ``[make() for make in makes]`` with these output
+    shardings (tests lower and compile it to read its memory analysis)."""
+
+    def program() -> list[Any]:
+        return [make() for make in makes]
+
+    return jax.jit(program, out_shardings=list(shardings))
+
+
+def run_sharded(makes: Sequence[Make], shardings: Sequence[Sharding | None]) -> list[Any]:
+    """``[make() for make in makes]`` computed by one program compiled with these output
+    shardings; see the module docstring."""
+    return list(init_program(makes, shardings)())
+
+
+# ----------------------------------------------- initializers of abstract variables
+
+
+class Joint:
+    """The initializer of one of several variables whose values are computed together
+    from other variables' values (an optimizer's slots: ``tx.init(params)``).
+
+    ``compute()`` returns the values of all of them (a list); this variable's is
+    ``compute()[index]``. ``reads`` are the variables ``compute`` reads: they must be
+    concrete when it runs, so ``ps.initialize`` runs joint initializers last, once per
+    ``compute``, after the plain ones of the same call.
+    """
+
+    __slots__ = ("compute", "index", "reads")
+
+    def __init__(self, compute: Callable[[], list[Any]], index: int, reads: Sequence[Any]):
+        self.compute = compute
+        self.index = index
+        self.reads = list(reads)
+
+    def __call__(self) -> Any:
+        return self.compute()[self.index]
+
+
+# id(variable) -> (weak reference to it, its initializer); an entry whose variable died (or
+# whose id was reused) is ignored and dropped.
+_pending: dict[int, tuple[weakref.ReferenceType[Any], Make | None]] = {}
+_lock = threading.Lock()
+
+
+def remember(var: Any, make: Make | None) -> None:
+    """Keep ``make`` (None: there is none, the variable must be restored) for ``var``."""
+    key = id(var)
+
+    def drop(_: Any, key: int = key) -> None:
+        with _lock:
+            entry = _pending.get(key)
+            if entry is not None and entry[0]() is None:
+                del _pending[key]
+
+    with _lock:
+        _pending[key] = (weakref.ref(var, drop), make)
+
+
+def initializer_of(var: Any) -> tuple[bool, Make | None]:
+    """``(known, make)``: whether ``var`` has an entry, and its initializer."""
+    with _lock:
+        entry = _pending.get(id(var))
+    if entry is None or entry[0]() is not var:
+        return False, None
+    return True, entry[1]
+
+
+def forget(var: Any) -> None:
+    """Drop ``var``'s initializer (it became concrete)."""
+    with _lock:
+        entry = _pending.get(id(var))
+        if entry is not None and entry[0]() is var:
+            del _pending[id(var)]

@@ -1,0 +1,149 @@
+"""How a new variable gets its first value and placement (what ``Variable.__init__`` calls).
+
+Contract (docs/api.md, "Models larger than one device"; ``paramstore._core.layout`` decides the
+sharding, ``paramstore._variable.abstract`` runs or defers the initializer):
+
+* ``shaped(init, shape, dtype)``: ``Variable(init, shape=..., dtype=...)`` calls
+  ``init(shape, dtype)`` (float32 by default); a concrete value with ``shape=`` must have it.
+* ``created(...) -> (value, owned, sharding)``: an initializer (a zero-argument callable)
+  whose variable gets a sharding over several devices is traced for its shape, then run by
+  one program compiled with that output sharding, so no device ever holds more than its own
+  shards; it runs under the variable's name, so it draws the same key (and values) as an
+  eager creation would. Anything else is computed as before and placed afterwards (the
+  returned sharding), inside a ``ps.function`` trace by the program ``ps.function`` runs
+  after the trace.
+* ``abstract_value(...) -> (ShapeDtypeStruct with sharding, initializer or None)``: for a
+  variable created inside ``ps.abstract()`` (or from a ``jax.ShapeDtypeStruct``, only
+  allowed there): its initializer is traced, never run. One that cannot be traced on its
+  own is a ``TypeError`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding
+
+from paramstore._core import frames as _trace
+from paramstore._core.dtypes import canonical_dtype, shape_error
+from paramstore._core.layout import Partition, check_partition, may_shard, target
+from paramstore._core.placement import check_fits
+from paramstore._variable import abstract as _abstract
+from paramstore._variable.initial import parse_initial
+from paramstore._variable.ops import ArrayOps
+
+__all__ = ["shaped", "created", "abstract_value"]
+
+
+def _lazy(initial_value: Any) -> bool:
+    return callable(initial_value) and not isinstance(initial_value, (ArrayOps, jax.Array))
+
+
+def shaped(initial_value: Any, shape: Any, dtype: Any, full_name: str) -> Any:
+    """``Variable(init, shape=..., dtype=...)``: the zero-argument callable
+    ``init(shape, dtype)``, or a concrete value checked to have ``shape``."""
+    try:
+        dims = (
+            (operator.index(shape),)
+            if isinstance(shape, (int, np.integer))
+            else tuple(map(operator.index, shape))
+        )
+    except TypeError:
+        raise TypeError(
+            f"Variable '{full_name}': shape= must be an int or a sequence of ints, got {shape!r}."
+        ) from None
+    if not _lazy(initial_value):
+        if tuple(np.shape(initial_value)) != dims:
+            raise shape_error(full_name, dims, tuple(np.shape(initial_value)))
+        return initial_value
+    want = jnp.float32 if dtype is None else dtype
+    return lambda: initial_value(dims, want)
+
+
+def created(
+    initial_value: Any,
+    dtype: Any,
+    full_name: str,
+    partition: Partition | None,
+    device: Any,
+    sharding: Any,
+) -> tuple[Any, bool, Sharding | None]:
+    """``(value, owned, sharding to place it on)`` of a new concrete variable (see the
+    module docstring); the sharding is None when the value is already where it belongs."""
+    if (
+        _lazy(initial_value)
+        and _trace.creation_trace() is None
+        and may_shard(device, sharding, partition)
+    ):
+
+        def make() -> Any:
+            return parse_initial(initial_value, dtype, full_name)[0]
+
+        struct = _abstract.shape_of(make)
+        if struct is not None:
+            placed = target(full_name, struct.shape, partition, device, sharding)
+            check_partition(partition, full_name, struct.shape)
+            if placed is not None and _abstract.spread(placed):
+                check_fits(placed, struct.shape, f"variable '{full_name}'")
+                (value,) = _abstract.run_sharded([make], [placed])
+                return value, True, None
+    value, owned = parse_initial(initial_value, dtype, full_name)
+    if isinstance(value, np.ndarray):  # strings live on the host
+        check_partition(partition, full_name, value.shape)
+        return value, owned, None
+    placed = target(full_name, tuple(value.shape), partition, device, sharding)
+    check_partition(partition, full_name, tuple(value.shape))
+    return value, owned, placed
+
+
+def abstract_value(
+    initial_value: Any,
+    dtype: Any,
+    full_name: str,
+    partition: Partition | None,
+    device: Any,
+    sharding: Any,
+) -> tuple[jax.ShapeDtypeStruct, Any]:
+    """The shape, dtype and sharding of a new abstract variable, and its initializer (None
+    when it was given as a ``jax.ShapeDtypeStruct``)."""
+    make: Any = None
+    if isinstance(initial_value, jax.ShapeDtypeStruct):
+        if not _abstract.creating():
+            raise TypeError(
+                f"Cannot make variable '{full_name}' from a jax.ShapeDtypeStruct outside "
+                "ps.abstract(): it has no value. Create it inside `with ps.abstract():` (then "
+                "restore a checkpoint into it), or pass an initializer."
+            )
+        struct = initial_value
+        if dtype is not None:
+            struct = jax.ShapeDtypeStruct(struct.shape, canonical_dtype(dtype, full_name))
+        given = initial_value.sharding
+        if sharding is None and device is None and isinstance(given, Sharding):
+            sharding = given
+    else:
+
+        def make() -> Any:
+            with _trace.no_frames():  # the initializer's own values, never a trace's
+                return parse_initial(initial_value, dtype, full_name)[0]
+
+        found, error = _abstract.trace_shape(make)
+        if found is None:
+            why = f" ({type(error).__name__}: {error})" if error is not None else ""
+            raise TypeError(
+                f"The initial value of variable '{full_name}' cannot be traced for its shape "
+                "inside ps.abstract() (it reads another variable, draws from a "
+                "ps.random.Generator, or makes strings). Pass an initializer of shapes only "
+                "(ps.Variable(init, shape=...)), or create this variable outside "
+                f"ps.abstract(){why}."
+            ) from error
+        struct = found
+    shape = tuple(struct.shape)
+    placed = target(full_name, shape, partition, device, sharding)
+    if placed is not None:
+        check_fits(placed, shape, f"variable '{full_name}'")
+    check_partition(partition, full_name, shape)
+    return jax.ShapeDtypeStruct(shape, struct.dtype, sharding=placed), make

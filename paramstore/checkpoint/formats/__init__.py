@@ -1,0 +1,1 @@
+"""The file formats paramstore reads and writes."""

@@ -1,0 +1,1 @@
+"""The sharded checkpoint format (Orbax's array layout, paramstore's integrity records)."""

@@ -1,0 +1,1 @@
+"""Reading TensorFlow and Keras checkpoints, parsed in Python."""
