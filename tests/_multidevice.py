@@ -55,8 +55,10 @@ def session_results(tmp_path_factory: Any, test_file: str, stem: str) -> dict[st
             if not out.exists():
                 env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
                 # this checkout's paramstore, not the one the environment has installed
-                root_dir = str(Path(__file__).resolve().parent.parent)
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [root_dir, env.get("PYTHONPATH")]))
+                # (and the tests' shared helpers, which the test file imports as a script too)
+                tests_dir = Path(__file__).resolve().parent
+                paths = [str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH")]
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
                 proc = subprocess.run(
                     [sys.executable, test_file, str(out)],
                     env=env,

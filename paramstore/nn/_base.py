@@ -64,7 +64,7 @@ def _shrink(threshold: float, soft: bool) -> Activation:
 
 
 # Keras 3's ``keras.activations`` by name, with Keras' defaults (checked against Keras in
-# tests/test_nn_layers.py): "gelu" is the exact erf form, "leaky_relu" has slope 0.2.
+# tests/nn/test_nn_layers.py): "gelu" is the exact erf form, "leaky_relu" has slope 0.2.
 # Not here: "threshold" (needs arguments) and "sparsemax": pass a callable.
 ACTIVATIONS: dict[str, Activation] = {
     "linear": lambda x: x,

@@ -13,7 +13,7 @@ Two checks, both computed where the data lives and never on a gathered array:
   bit ``k`` of word ``j`` changes ``s1`` by ``2**k * (2j + 1)``, never 0 mod 2**32; random
   damage passes both with odds of about 2**-64. The per-device program is one fused
   reduction: no temporary the size of the shard (its compiled ``temp_size_in_bytes`` is
-  checked in tests/test_sharded_checkpoint.py).
+  checked in tests/checkpoint/test_sharded_checkpoint.py).
 * **File digests** (bytes). After Orbax has written its files, each process hashes the
   files it wrote (XXH3-64), so that a flipped bit in a file no value depends on (Orbax's
   metadata, an OCDBT node merged away) is still caught.

@@ -2,7 +2,7 @@
 
 In-process tests use a one-device mesh (semantics and every error path); the checks that
 need several devices run in an 8-device subprocess: this file is also that subprocess's
-script (``python tests/test_layout.py OUT.json``), as in ``tests/test_sharding.py``.
+script (``python tests/sharding/test_layout.py OUT.json``), as in ``tests/sharding/test_sharding.py``.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def test_jax_arrays_keep_their_dtype():
 )
 def test_explicit_dtype_casts(value, dtype, expected):
     # Casts that keep the values (as assign takes them); the lossy ones that used to
-    # truncate ([1.7, -2.2] to int32, [0, 3] to bool) are refused: tests/test_variable_input.py
+    # truncate ([1.7, -2.2] to int32, [0, 3] to bool) are refused: tests/variable/test_variable_input.py
     v = ps.Variable(value, dtype=dtype)
     assert v.dtype == expected.dtype
     assert v.numpy().dtype == expected.dtype

@@ -335,7 +335,7 @@ def test_slots_round_trip_and_training_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_the_traversal_benchmark_prints_its_table():
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "traversal.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "traversal.py"
     done = subprocess.run(
         [sys.executable, str(script), "--quick", "--blocks", "2"],
         capture_output=True,

@@ -4,7 +4,7 @@ other meshes.
 
 The main test process has one CPU device; the checks that need 8 run in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (this file is that subprocess's
-script: ``python tests/test_sharded_checkpoint.py OUT.json``), as in tests/test_sharding.py.
+script: ``python tests/checkpoint/test_sharded_checkpoint.py OUT.json``), as in tests/sharding/test_sharding.py.
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # while step 2 is written in the backgroun
 @pytest.mark.slow
 def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "run"
-    root = str(Path(__file__).resolve().parent.parent)  # this checkout's paramstore
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's paramstore
     proc = subprocess.run(
         [sys.executable, "-c", _KILLED_SAVER, str(directory)],
         env={**os.environ, "PYTHONPATH": root},
@@ -448,7 +448,7 @@ def test_saves_to_one_path_from_two_threads_are_serialized(tmp_path):
 @pytest.mark.slow
 def test_the_checkpoint_rows_of_the_sharded_benchmark_run():
     """Smoke only (figures are read by people): benchmarks/sharded.py --rows checkpoint."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     done = subprocess.run(
@@ -555,7 +555,7 @@ CHECKS = {
 def eight_device_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("eight") / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = str(Path(__file__).resolve().parent.parent)  # this checkout's paramstore
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's paramstore
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=300

@@ -2,7 +2,7 @@
 for any use of an abstract variable, and ``set_initial_value`` (the restore entry point).
 
 The 8-device checks (abstract variables with layouts, ``ps.initialize`` as one sharded
-program) are in ``tests/test_layout.py``'s subprocess."""
+program) are in ``tests/sharding/test_layout.py``'s subprocess."""
 
 from __future__ import annotations
 

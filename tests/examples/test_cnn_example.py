@@ -17,7 +17,7 @@ import paramstore as ps
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PATH = ROOT / "examples" / "cnn.py"
 
 

@@ -178,7 +178,7 @@ def test_load_variable_of_a_string_variable_returns_strings(tmp_path, variables)
     assert got.dtype == np.dtypes.StringDType() and got.tolist() == ["x", "yz"]
 
 
-# The sharded (Orbax) format's integrity: tests/test_sharded_checkpoint.py.
+# The sharded (Orbax) format's integrity: tests/checkpoint/test_sharded_checkpoint.py.
 
 
 def test_a_tensor_whose_last_chunk_is_small_round_trips(tmp_path):

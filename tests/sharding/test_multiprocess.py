@@ -10,7 +10,7 @@ the model on its own mesh, restores the latest checkpoint (step 2, or step 4 if 
 complete before the kill): every value equals what the trainers held at that step, and
 training goes on.
 
-This file is also the processes' script: ``python tests/test_multiprocess.py train
+This file is also the processes' script: ``python tests/sharding/test_multiprocess.py train
 PROCESS_ID PORT DIR`` or ``... resume DIR`` (docs/sharding.md starts N processes the same
 way).
 """
@@ -243,7 +243,7 @@ def _run(procs: list[tuple[subprocess.Popen, Path]], timeout: float) -> list[tup
 
 def _spawn(log: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    root = str(Path(__file__).resolve().parent.parent)  # this checkout's paramstore
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's paramstore
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     with open(log, "w") as f:
         proc = subprocess.Popen(

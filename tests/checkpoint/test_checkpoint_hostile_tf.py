@@ -21,7 +21,7 @@ from paramstore import checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------- a hand-made TensorFlow index

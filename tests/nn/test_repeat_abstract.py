@@ -4,7 +4,7 @@ concrete with a concrete build's values, training afterwards, and the errors.
 
 In-process tests use one device; the checks with a mesh of 8 forced CPU devices (layouts,
 axis rules, sharded initialization and restore) run in this file's subprocess
-(``python tests/test_repeat_abstract.py OUT.json``, as ``tests/test_layout.py``)."""
+(``python tests/nn/test_repeat_abstract.py OUT.json``, as ``tests/sharding/test_layout.py``)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import paramstore as ps
 
 pytest.importorskip("tqdm")
 
-PATH = Path(__file__).parent.parent / "examples" / "transformer.py"
+PATH = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
 
 
 def _example():

@@ -19,7 +19,7 @@ from paramstore.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -3,7 +3,7 @@ ps.function, the optimizer and restore; data- and tensor-parallel training on 8 
 
 The main test process has one CPU device, so every multi-device check runs in a
 subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``: this file is also
-that subprocess's script (``python tests/test_sharding.py OUT.json``). It runs every
+that subprocess's script (``python tests/sharding/test_sharding.py OUT.json``). It runs every
 ``check_*`` function below once and writes ``{name: "ok" | traceback}``; the tests
 ``test_multi_device[name]`` read that file (computed once per session, shared by xdist
 workers).
@@ -236,7 +236,7 @@ def test_corrupt_sharded_checkpoint_is_a_clear_error_and_changes_nothing(tmp_pat
 
 @pytest.mark.slow
 def test_data_parallel_example_runs():
-    example = Path(__file__).resolve().parent.parent / "examples" / "data_parallel.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "data_parallel.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, str(example), "--tensor", "2", "--steps", "3"],
