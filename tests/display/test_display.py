@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import paramstore as ps
-from paramstore._display.display import display as _display
+from paramstore._display import display as _display
 
 
 class Tower(ps.Module):
