@@ -108,6 +108,7 @@ class Variable(Writes):
         "_value",  # the array: read and written by paramstore._core.ownership only
         "_given",  # id() of the array last handed out (ownership's record)
         "_name",
+        "_store",  # the VariableStore it is registered in (a failed trace forgets it there)
         "_trainable",
         "_dtype",
         "_shape",
@@ -161,6 +162,7 @@ class Variable(Writes):
             self._partition = part
             self.__class__ = _Abstract
             _abstract.remember(self, make)
+            self._store = store
             self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
             return
         value, owned, placed = created(initial_value, dtype, full_name, part, device, sharding)
@@ -176,6 +178,7 @@ class Variable(Writes):
             _trace.create(self, value)  # by ps.function in a program with this sharding
             placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
             ownership.adopt(self, placeholder, owned=True)
+        self._store = store
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
     def _set_fields(self, value: Any, trainable: bool, owned: bool) -> None:

@@ -452,6 +452,7 @@ VARIABLE_PACKAGE_INTERFACE = {
     "_colocated",
     "_is_string",
     "_is_key",
+    "_store",
 }
 VARIABLE_LAYER = {"variable.py", "_variable/read.py", "_variable/write.py", "_core/ownership.py"}
 

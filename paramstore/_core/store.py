@@ -139,9 +139,14 @@ class VariableStore:
             return var
 
     def _forget(self, var: Tracked) -> None:
+        """Stop tracking ``var`` (the undo of a creation whose trace failed): only ``var``
+        itself, never another variable that has its name. Its name stays taken."""
         with self._lock:
-            self._shared.pop(var.name, None)
-            self._live.pop(var.name, None)
+            name = var.name
+            if self._shared.get(name) is var:
+                del self._shared[name]
+            if self._live.get(name) is var:
+                del self._live[name]
 
     def get(self, name: str) -> Tracked | None:
         """The live variable of this full name, or None."""

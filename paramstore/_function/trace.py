@@ -24,7 +24,6 @@ from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
 from paramstore._core.jax_api import init_program, pure_jaxpr
 from paramstore._core.ownership import ownership
-from paramstore._core.store import default_store
 from paramstore._function.entry import Entry
 from paramstore._function.static import merge
 from paramstore.module import Module
@@ -304,7 +303,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     n_consts = len(jaxpr.constvars)
     if any(used_in[n_consts:]):
         for var, _ in created:
-            default_store()._forget(var)
+            var._store._forget(var)  # the store it was created in, not the default now
             ownership.take_initial(var, None)
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "
