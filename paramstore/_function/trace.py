@@ -181,7 +181,10 @@ def _lift(
     lifted = jaxpr.replace(
         constvars=keep_vars, invars=invars, eqns=eqns, outvars=outvars, debug_info=info
     )
-    fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
+    program = jex.core.ClosedJaxpr(lifted, keep_consts)
+    if frame.refs:  # variables promoted to refs in control flow: discharged here, with
+        program = pure_jaxpr(program)  # jax_api's while_loop rule, not by jax.jit
+    fun = jex.core.jaxpr_as_fun(program)
     n_out = len(outvars) - len(assigned)
 
     # Assigned variables come back with the very sharding they went in with (jit's
