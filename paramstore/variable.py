@@ -117,6 +117,7 @@ class Variable(Writes):
         "_arith",
         "_delta_aval",  # the aval of the last eager update's delta that passed every check
         "_partition",
+        "_initializer",  # an abstract variable's initializer (paramstore._variable.abstract)
         "__weakref__",
     )
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,8 @@ from paramstore._core.jax_api import (
 )
 from paramstore._core.ownership import ownership
 
-Variable = Any  # paramstore.variable.Variable, which sits above this module
+if TYPE_CHECKING:  # the class sits above this module: a name for annotations only
+    from paramstore.variable import Variable
 
 __all__ = [
     "Frame",
