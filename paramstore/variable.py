@@ -19,10 +19,12 @@ Contract (see docs/api.md, "Variables"):
 * Inside the first trace of a ``ps.function``, the initial value may be a traced value
   computed there (``ps.Variable(jnp.ones((x.shape[-1], 3)))``): the variable is bound in
   the trace and ``ps.function`` computes its concrete value once, right after the trace.
-* One write path: every change of a variable's array goes through ``_write`` under the
-  state lock (``STATE_LOCK``), which ``ps.function`` calls also hold while they gather,
-  dispatch and swap. So each assign and each compiled call is atomic, concurrent
-  ``assign_add``s lose nothing, and a read never meets a buffer that a step donates.
+* One owner: every change of a variable's array goes through ``_core.ownership``, under
+  the state lock (``STATE_LOCK``): ``write`` for an assign (``_write``/``_swap`` here),
+  ``update`` for an eager ``assign_add``/``assign_sub``, ``write_many`` for a compiled
+  step's outputs and ``ps.sharding.reshard``; a restore holds the lock over all its writes.
+  So each assign and each compiled call is atomic, concurrent ``assign_add``s lose
+  nothing, and a read never meets a buffer that a step donates.
 * Ownership is ``_core.ownership``'s: it records every array it hands out (``value()``,
   ``np.asarray(v)``, a pytree flatten, a step's output...) by identity, and a compiled step
   donates a variable's array only if it came out of the variable's own computation and was

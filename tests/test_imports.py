@@ -551,3 +551,8 @@ def test_the_architecture_page_draws_this_layer_table_and_every_module():
     modules = {m if m != PACKAGE else "__init__" for m in modules}
     assert not modules - described, f"add a line for each to {ARCHITECTURE}: {modules - described}"
     assert not described - modules, f"modules that no longer exist: {described - modules}"
+    packages = {m for m in modules if (PACKAGE_DIR / m.replace(".", "/") / "__init__.py").exists()}
+    assert {"_core", "checkpoint", "checkpoint.formats.orbax", "nn.repeat"} <= packages
+    assert not packages - described, f"add a line for each package to {ARCHITECTURE}"
+    entries = {m for _, names in LAYERS for m in names}
+    assert not entries - modules, f"LAYERS names what does not exist: {entries - modules}"
