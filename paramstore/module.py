@@ -36,8 +36,25 @@ from paramstore.variable import Variable
 
 __all__ = ["Module"]
 
+# State a higher layer leaves on a module (ps.Checkpoint's deferred restoration: the saved
+# values of variables not created yet), handed to the hooks registered with
+# ``on_attribute_set`` after each attribute assignment. This module knows nothing more.
+PENDING = "_ps_pending"
+
 # A module's own bookkeeping, never part of its variables.
-_UNTRACKED = frozenset(("_scope_name", "_module_name", "_ps_pending"))
+_UNTRACKED = frozenset(("_scope_name", "_module_name", PENDING))
+
+AttributeHook = Callable[["Module", str, Any], None]
+_attribute_hooks: list[AttributeHook] = []
+
+
+def on_attribute_set(hook: AttributeHook) -> AttributeHook:
+    """Register ``hook(module, name, value)``, called after ``module.<name> = value`` on a
+    module that holds pending state (its ``PENDING`` attribute): the inversion through
+    which ``paramstore.checkpoint.objects`` (a higher layer) hands a saved value to a
+    variable created after the restore. Returns ``hook`` (usable as a decorator)."""
+    _attribute_hooks.append(hook)
+    return hook
 
 
 def _camel_to_snake(name: str) -> str:
@@ -152,11 +169,10 @@ class Module(Node):
     def _repr_html_(self) -> str:  # Jupyter's rendering (paramstore/_core/html.py)
         return _html.module_html(self)
 
-    # Hook for ps.Checkpoint's deferred restoration (paramstore/checkpoint/objects.py): a
-    # restore leaves the values of not-yet-created variables in ``_ps_pending``; assigning
-    # the attribute that holds them (a Variable, a sub-Module, a list...) hands them over.
+    # A module with pending state (``PENDING``: a restore left the values of variables not
+    # created yet) passes each assignment to the registered hooks (``on_attribute_set``).
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-        pending = self.__dict__.get("_ps_pending")
-        if pending is not None:
-            pending.attached(self, name, value)
+        if self.__dict__.get(PENDING) is not None:
+            for hook in _attribute_hooks:
+                hook(self, name, value)

@@ -19,10 +19,12 @@ Contract (see docs/api.md, "Variables"):
 * Inside the first trace of a ``ps.function``, the initial value may be a traced value
   computed there (``ps.Variable(jnp.ones((x.shape[-1], 3)))``): the variable is bound in
   the trace and ``ps.function`` computes its concrete value once, right after the trace.
-* One write path: every change of a variable's array goes through ``_write`` under the
-  state lock (``STATE_LOCK``), which ``ps.function`` calls also hold while they gather,
-  dispatch and swap. So each assign and each compiled call is atomic, concurrent
-  ``assign_add``s lose nothing, and a read never meets a buffer that a step donates.
+* One owner: every change of a variable's array goes through ``_core.ownership``, under
+  the state lock (``STATE_LOCK``): ``write`` for an assign (``_write``/``_swap`` here),
+  ``update`` for an eager ``assign_add``/``assign_sub``, ``write_many`` for a compiled
+  step's outputs and ``ps.sharding.reshard``; a restore holds the lock over all its writes.
+  So each assign and each compiled call is atomic, concurrent ``assign_add``s lose
+  nothing, and a read never meets a buffer that a step donates.
 * Ownership is ``_core.ownership``'s: it records every array it hands out (``value()``,
   ``np.asarray(v)``, a pytree flatten, a step's output...) by identity, and a compiled step
   donates a variable's array only if it came out of the variable's own computation and was
@@ -108,6 +110,7 @@ class Variable(Writes):
         "_value",  # the array: read and written by paramstore._core.ownership only
         "_given",  # id() of the array last handed out (ownership's record)
         "_name",
+        "_store",  # the VariableStore it is registered in (a failed trace forgets it there)
         "_trainable",
         "_dtype",
         "_shape",
@@ -116,6 +119,7 @@ class Variable(Writes):
         "_arith",
         "_delta_aval",  # the aval of the last eager update's delta that passed every check
         "_partition",
+        "_initializer",  # an abstract variable's initializer (paramstore._variable.abstract)
         "__weakref__",
     )
 
@@ -161,6 +165,7 @@ class Variable(Writes):
             self._partition = part
             self.__class__ = _Abstract
             _abstract.remember(self, make)
+            self._store = store
             self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
             return
         value, owned, placed = created(initial_value, dtype, full_name, part, device, sharding)
@@ -176,6 +181,7 @@ class Variable(Writes):
             _trace.create(self, value)  # by ps.function in a program with this sharding
             placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
             ownership.adopt(self, placeholder, owned=True)
+        self._store = store
         self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
 
     def _set_fields(self, value: Any, trainable: bool, owned: bool) -> None:

@@ -452,8 +452,15 @@ VARIABLE_PACKAGE_INTERFACE = {
     "_colocated",
     "_is_string",
     "_is_key",
+    "_store",
 }
-VARIABLE_LAYER = {"variable.py", "_variable/read.py", "_variable/write.py", "_core/ownership.py"}
+VARIABLE_LAYER = {
+    "variable.py",
+    "_variable/read.py",
+    "_variable/write.py",
+    "_variable/abstract.py",
+    "_core/ownership.py",
+}
 
 
 def test_other_modules_reach_variables_only_through_their_package_interface():
@@ -480,6 +487,18 @@ def test_other_modules_reach_variables_only_through_their_package_interface():
     assert reached == [], (
         f"use a Variable's public API or its package interface (docs/architecture.md): {reached}"
     )
+
+
+def test_one_per_thread_context():
+    """Every per-thread stack paramstore keeps is a field of ``_core.context.ctx``: no other
+    module makes a ``threading.local`` or a ``ContextVar`` (docs/architecture.md)."""
+    others = sorted(
+        path.relative_to(PACKAGE_DIR.parent).as_posix()
+        for path in PACKAGE_DIR.rglob("*.py")
+        if path != PACKAGE_DIR / "_core" / "context.py"
+        and any(word in path.read_text() for word in ("threading.local", "ContextVar"))
+    )
+    assert others == [], f"keep per-thread state in paramstore._core.context.ctx: {others}"
 
 
 def test_jax_internals_are_used_in_paramstore_jax_only():
@@ -532,3 +551,8 @@ def test_the_architecture_page_draws_this_layer_table_and_every_module():
     modules = {m if m != PACKAGE else "__init__" for m in modules}
     assert not modules - described, f"add a line for each to {ARCHITECTURE}: {modules - described}"
     assert not described - modules, f"modules that no longer exist: {described - modules}"
+    packages = {m for m in modules if (PACKAGE_DIR / m.replace(".", "/") / "__init__.py").exists()}
+    assert {"_core", "checkpoint", "checkpoint.formats.orbax", "nn.repeat"} <= packages
+    assert not packages - described, f"add a line for each package to {ARCHITECTURE}"
+    entries = {m for _, names in LAYERS for m in names}
+    assert not entries - modules, f"LAYERS names what does not exist: {entries - modules}"

@@ -7,6 +7,10 @@
 * ``names``: variables whose initializer is running, for name-derived PRNG keys.
 * ``recorders``: ``_seed.recording()`` blocks (``ps.nn.Repeat`` learning a block's
   initializers), innermost last.
+* ``axis_rules``: ``axis_rules(mesh, rules)`` blocks (``_core.layout``), innermost last.
+* ``abstract``: how many ``with ps.abstract():`` blocks are open (``_variable.abstract``).
+* ``training``: the ``training=`` value an enclosing call passes down (``_core.training``),
+  None outside any.
 
 Each thread starts with empty stacks (as TensorFlow's graph and device stacks do).
 """
@@ -38,6 +42,9 @@ class _Context(threading.local):
         self.placements: list[Any] = []
         self.names: list[list[Any]] = []
         self.recorders: list[dict[str, Any]] = []
+        self.axis_rules: list[Any] = []
+        self.abstract = 0
+        self.training: bool | None = None
 
 
 ctx = _Context()

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +49,11 @@ from paramstore._core.jax_api import (
     EVAL,
     Tracer,
     current_trace,
+    enter_while_fix,
+    exit_while_fix,
     in_shard_map,
     in_trace,
+    in_while_body,
     in_while_cond,
     ref_in,
     staging,
@@ -59,6 +62,9 @@ from paramstore._core.jax_api import (
     vmap_home,
 )
 from paramstore._core.ownership import ownership
+
+if TYPE_CHECKING:  # the class sits above this module: a name for annotations only
+    from paramstore.variable import Variable
 
 __all__ = [
     "Frame",
@@ -73,7 +79,6 @@ __all__ = [
     "create",
 ]
 
-Variable = Any  # paramstore.variable.Variable, which sits above this module
 
 PURE, OPEN, CAPTURE = 0, 1, 2
 depth = 0  # active frames, all threads together
@@ -97,6 +102,7 @@ class Frame:
         "created",
         "allow_create",
         "shapes",
+        "cond_reads",
     )
 
     def __init__(
@@ -120,6 +126,8 @@ class Frame:
         self.created: list[tuple[Variable, Any]] = []
         self.allow_create = allow_create
         self.shapes = shapes  # binds abstract variables to zeros on first read (see bound)
+        # ids read in a while_loop condition of a program JAX discharges (see _check_nested)
+        self.cond_reads: set[int] = set()
         for var, value in bound or ():
             self.values[id(var)] = value
             self.vars[id(var)] = var
@@ -133,14 +141,41 @@ class Frame:
         return (ref if ref is not None else self._promote(key))[...]
 
     def _check_nested(self, key: int, what: str) -> None:
+        var = self.vars.get(key)
+        name = var.name if var is not None else "?"
+        if not self._own_program():
+            self._check_while(key, what, name)
         if in_shard_map(self.base):
-            var = self.vars.get(key)
-            name = var.name if var is not None else "?"
             raise TypeError(
                 f"Variable '{name}' was {what} inside a jax.shard_map body, where each "
                 "device sees its own shard and a variable's single value cannot be read or "
                 "written. Pass its value in as an argument of the shard_map "
                 "(v.value()) and assign the result outside the body."
+            )
+
+    def _own_program(self) -> bool:
+        """Whether paramstore discharges this frame's refs itself (they are in a
+        ``ps.function``'s jaxpr: its capture frame is at the bottom of the stack), with
+        ``jax_api``'s while_loop rule. Otherwise (``ps.pure`` or a gradient under a plain
+        ``jax.jit``) JAX discharges them, with its own rule."""
+        stack = ctx.frames
+        return bool(stack) and stack[0].kind == CAPTURE
+
+    def _check_while(self, key: int, what: str, name: str) -> None:
+        """Refuse a variable read in a ``while_loop`` condition and assigned in a loop body
+        of a program that JAX discharges: jax 0.10 gives the condition a copy of it that
+        the body's assigns never reach, so the loop would not end (``jax_api``)."""
+        if what == "read":
+            if staging(self.base) and in_while_cond(self.base):
+                self.cond_reads.add(key)
+        elif key in self.cond_reads and in_while_body(self.base):
+            raise TypeError(
+                f"Variable '{name}' is read in a jax.lax.while_loop condition and assigned "
+                f"in the loop body inside {self.owner} under a plain JAX transformation "
+                "(jax.jit ...). JAX 0.10 would give the condition a copy of it that the "
+                "body's assigns never reach, so the loop would not end. Run the loop in a "
+                "ps.function (which handles this), or carry the value through the loop "
+                "(jax.lax.while_loop(cond, body, v.value())) and assign the result after it."
             )
 
     def put(self, key: int, value: Any, name: str = "", update: str = "") -> None:
@@ -213,9 +248,13 @@ def push(frame: Frame) -> Iterator[Frame]:
     stack.append(frame)
     with _depth_lock:
         depth += 1
+    # jax_api's while_loop discharge rule while a frame runs: an eager ps.pure or gradient
+    # runs (and so discharges) its loops inside the frame
+    enter_while_fix()
     try:
         yield frame
     finally:
+        exit_while_fix()
         stack.pop()
         with _depth_lock:
             depth -= 1

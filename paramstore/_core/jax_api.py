@@ -10,22 +10,30 @@
 * ``tracer_in(trace, const)``: ``const`` as a tracer of a ``make_jaxpr`` trace, recorded as
   a constant of the jaxpr (which ``ps.function`` then lifts to an input).
 
-It also fixes one bug of jax 0.10's state discharge: a ref that a ``while_loop``'s
+It also works around one bug of jax 0.10's state discharge: a ref that a ``while_loop``'s
 ``cond_fun`` reads and its ``body_fun`` writes got two separate loop carries, so the
 condition saw the initial value forever (``while c < n: c += 1`` never ended). The rule
-registered here gives each distinct ref one carry that both functions use; loops whose
-condition reads no ref (or writes one) still go to JAX's own rule.
+here gives each distinct ref one carry that both functions use; loops whose condition
+reads no ref (or writes one) go to JAX's own rule. It is not registered for the process:
+``while_fix()`` installs it only while paramstore discharges its own programs (a
+``ps.function``'s jaxpr, before ``jax.jit`` sees it) or runs a binding frame (an eager
+``ps.pure``/gradient, whose loops run, and so are discharged, inside it); JAX's own rule is
+back as soon as the last user leaves, so code that never enters paramstore runs exactly
+as without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 
 # The tested range (pyproject's `jax>=0.10,<0.11`): the internals below and the while_loop
-# discharge rule registered for the whole process are written against it.
+# discharge rule are written against it.
 SUPPORTED = ((0, 10), (0, 11))
 
 
@@ -71,6 +79,10 @@ __all__ = [
     "put_on_device",
     "vmap_home",
     "in_while_cond",
+    "in_while_body",
+    "while_fix",
+    "enter_while_fix",
+    "exit_while_fix",
     "init_program",
     "in_shard_map",
     "device_assignment",
@@ -167,6 +179,11 @@ def in_while_cond(stop: Any) -> bool:
     return _traced_for(stop, "while_cond")
 
 
+def in_while_body(stop: Any) -> bool:
+    """Whether the current trace, below ``stop``, is a ``lax.while_loop`` body's."""
+    return _traced_for(stop, "while_body")
+
+
 def in_shard_map(stop: Any) -> bool:
     """Whether the current trace, below ``stop``, is a ``jax.shard_map`` body's."""
     return _traced_for(stop, "shard_map")
@@ -187,13 +204,50 @@ def put_on_device(arr: Any, sharding: Any, device: Any) -> jax.Array:
 
 def pure_jaxpr(closed: Any) -> Any:
     """``closed`` with its refs discharged (a pure jaxpr with the same outputs), so that
-    dead-code elimination sees true data dependence rather than keeping every effect."""
-    return _discharge.discharge_state(closed, should_discharge=False)
+    dead-code elimination sees true data dependence rather than keeping every effect; a
+    ``while_loop`` whose condition reads a ref its body writes gets one carry for it
+    (``while_fix``). The debug info (argument names) is kept."""
+    with while_fix():
+        pure = _discharge.discharge_state(closed, should_discharge=False)
+    info = closed.jaxpr.debug_info
+    return _core.ClosedJaxpr(pure.jaxpr.replace(debug_info=info), pure.consts)
 
 
 # ------------------------------------------------------- while_loop state discharge fix
 
-_jax_while_rule = _discharge._partial_discharge_rules[_loops.while_p]
+_RULES = _discharge._partial_discharge_rules
+_jax_while_rule = _RULES[_loops.while_p]
+_fix_lock = threading.Lock()
+_fix_users = 0  # enter_while_fix calls not yet matched by exit_while_fix, all threads
+
+
+def enter_while_fix() -> None:
+    """Install paramstore's ``while`` discharge rule (counted: the first user installs it)."""
+    global _fix_users
+    with _fix_lock:
+        _fix_users += 1
+        if _fix_users == 1:
+            _RULES[_loops.while_p] = _while_rule
+
+
+def exit_while_fix() -> None:
+    """Undo one ``enter_while_fix``; the last one puts JAX's own rule back."""
+    global _fix_users
+    with _fix_lock:
+        _fix_users -= 1
+        if _fix_users == 0:
+            _RULES[_loops.while_p] = _jax_while_rule
+
+
+@contextlib.contextmanager
+def while_fix() -> Iterator[None]:
+    """The fixed ``while`` discharge rule in force inside the block (see the module
+    docstring); JAX's own rule before and after."""
+    enter_while_fix()
+    try:
+        yield
+    finally:
+        exit_while_fix()
 
 
 def _while_rule(
@@ -265,9 +319,6 @@ def _while_rule(
     refs, carry = jax.lax.while_loop(cond_fun, body_fun, init)
     new = [refs[slot[i]] if is_ref[i] else None for i in range(n_consts)]
     return [*new, *[None] * n_carry], carry
-
-
-_discharge.register_partial_discharge_rule(_loops.while_p)(_while_rule)
 
 
 def refuse_as_array(cls: type, message: Any) -> None:

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping
 from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from paramstore._core.context import ctx
 from paramstore._core.placement import Layouts, check_fits, current_placement, placement
 
 __all__ = [
@@ -213,14 +213,6 @@ def _check_rank(entries: tuple[Any, ...], shape: tuple[int, ...], name: str, wha
 # --------------------------------------------------------------------------- axis rules
 
 
-class _Rules(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[tuple[Mesh, dict[str, tuple[str, ...]]]] = []
-
-
-_rules = _Rules()
-
-
 @contextlib.contextmanager
 def axis_rules(
     mesh: Mesh, rules: Mapping[str, Axes] | Iterable[tuple[str, Axes]]
@@ -247,16 +239,16 @@ def axis_rules(
                 "Map the logical name to an axis of the mesh, or to None",
             )
         table[logical] = names
-    _rules.stack.append((mesh, table))
+    ctx.axis_rules.append((mesh, table))
     try:
         yield mesh
     finally:
-        _rules.stack.pop()
+        ctx.axis_rules.pop()
 
 
 def current_rules() -> tuple[Mesh, dict[str, tuple[str, ...]]] | None:
     """The innermost ``axis_rules`` block's mesh and rules, if any."""
-    return _rules.stack[-1] if _rules.stack else None
+    return ctx.axis_rules[-1] if ctx.axis_rules else None
 
 
 def check_partition(partition: Any, name: str, shape: tuple[int, ...] | None) -> Partition | None:
@@ -342,7 +334,7 @@ def may_shard(device: Any, sharding: Any, partition: Partition | None) -> bool:
     if device is not None or sharding is not None:
         return _splits(_explicit(device, sharding))
     context = current_placement()
-    if isinstance(context, Layouts) or (partition is not None and _rules.stack):
+    if isinstance(context, Layouts) or (partition is not None and ctx.axis_rules):
         return True
     return context is not None and _splits(context)
 

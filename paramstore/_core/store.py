@@ -13,7 +13,8 @@ Contract (docs/api.md, "Names, scopes and sharing"):
 * ``State`` is an immutable ``{name: array}`` mapping registered as a pytree keyed by name:
   what ``store.state()`` and ``ps.state`` return.
 
-The store sits below ``variable``: it knows variables only as objects with a ``name``.
+The store sits below ``variable``: it uses a variable's ``name`` (and ``trainable``,
+``value()``), and names the class in annotations only (a ``TYPE_CHECKING`` import).
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from paramstore._core.context import ctx
 
-__all__ = ["VariableStore", "State", "default_store", "preview_names"]
+if TYPE_CHECKING:  # the class sits above this module: a name for annotations only
+    from paramstore.variable import Variable
 
-Tracked = Any  # a paramstore.Variable (defined above this module)
+__all__ = ["VariableStore", "State", "default_store", "preview_names"]
 
 
 class State(Mapping[str, Any]):
@@ -77,9 +79,9 @@ class VariableStore:
         self._lock = threading.RLock()
         self._taken: set[str] = set()
         self._counts: dict[str, int] = {}
-        self._live: weakref.WeakValueDictionary[str, Tracked] = weakref.WeakValueDictionary()
+        self._live: weakref.WeakValueDictionary[str, Variable] = weakref.WeakValueDictionary()
         self._order: dict[str, int] = {}
-        self._shared: dict[str, Tracked] = {}
+        self._shared: dict[str, Variable] = {}
 
     # -- being the default
     def __enter__(self) -> VariableStore:
@@ -109,7 +111,7 @@ class VariableStore:
             return candidate
 
     def register(
-        self, var: Tracked, name: str, *, exact: bool = False, base: str | None = None
+        self, var: Variable, name: str, *, exact: bool = False, base: str | None = None
     ) -> str:
         """Track ``var`` under ``name`` (from ``unique_name(base, reserve=False)``). If another
         thread took it meanwhile, the next free name for ``base`` (``v_3``, not ``v_2_1``).
@@ -126,7 +128,7 @@ class VariableStore:
             self._order[full] = len(self._order)
             return full
 
-    def get_or_create(self, name: str, make: Callable[[Tracked | None], Tracked]) -> Tracked:
+    def get_or_create(self, name: str, make: Callable[[Variable | None], Variable]) -> Variable:
         """``make(existing)`` with the live variable of full name ``name`` (None if there is
         none), under this store's lock: one step, so threads racing on one name get one
         variable. A variable ``make`` returns other than ``existing`` is then held strongly
@@ -138,24 +140,29 @@ class VariableStore:
                 self._shared[var.name] = var
             return var
 
-    def _forget(self, var: Tracked) -> None:
+    def _forget(self, var: Variable) -> None:
+        """Stop tracking ``var`` (the undo of a creation whose trace failed): only ``var``
+        itself, never another variable that has its name. Its name stays taken."""
         with self._lock:
-            self._shared.pop(var.name, None)
-            self._live.pop(var.name, None)
+            name = var.name
+            if self._shared.get(name) is var:
+                del self._shared[name]
+            if self._live.get(name) is var:
+                del self._live[name]
 
-    def get(self, name: str) -> Tracked | None:
+    def get(self, name: str) -> Variable | None:
         """The live variable of this full name, or None."""
         return self._live.get(name)
 
     # -- contents
-    def variables(self) -> list[Tracked]:
+    def variables(self) -> list[Variable]:
         """The live variables, in creation order."""
         with self._lock:
             items = list(self._live.items())
         items.sort(key=lambda kv: self._order[kv[0]])
         return [v for _, v in items]
 
-    def trainable_variables(self) -> list[Tracked]:
+    def trainable_variables(self) -> list[Variable]:
         return [v for v in self.variables() if v.trainable]
 
     def state(self) -> State:

@@ -14,7 +14,6 @@ every subclass that defines ``__call__`` with a ``training`` parameter.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 from collections.abc import Callable
@@ -22,18 +21,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["propagate", "current"]
+from paramstore._core.context import ctx
 
-_TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "paramstore_training", default=None
-)
+__all__ = ["propagate", "current"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def current() -> bool | None:
     """The ``training`` value set by an enclosing call, or None outside any."""
-    return _TRAINING.get()
+    return ctx.training
 
 
 def propagate(call: F) -> F:
@@ -64,7 +61,7 @@ def propagate(call: F) -> F:
         else:
             given = kwargs.get("training")
         if given is None:
-            outer = _TRAINING.get()
+            outer = ctx.training
             if outer is None:
                 return call(self, *args, **kwargs)
             if position is not None and len(args) > position:
@@ -74,11 +71,11 @@ def propagate(call: F) -> F:
             return call(self, *args, **kwargs)
         if not isinstance(given, (bool, np.bool_)):  # a traced flag: nothing to pass down
             return call(self, *args, **kwargs)
-        token = _TRAINING.set(bool(given))
+        saved, ctx.training = ctx.training, bool(given)
         try:
             return call(self, *args, **kwargs)
         finally:
-            _TRAINING.reset(token)
+            ctx.training = saved
 
     wrapped._ps_training = True  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
@@ -24,7 +24,6 @@ from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
 from paramstore._core.jax_api import init_program, pure_jaxpr
 from paramstore._core.ownership import ownership
-from paramstore._core.store import default_store
 from paramstore._function.entry import Entry
 from paramstore._function.static import merge
 from paramstore.module import Module
@@ -132,96 +131,39 @@ def _lift(
     out_shardings: Shardings,
 ) -> Entry:
     """Turn the variables' constants (and created variables' initial values) into
-    inputs; build the runner."""
-    jaxpr = closed.jaxpr
-    n_created = len(frame.created)
-    var_of = {id(alias): var for var, alias in frame.captured.values()}
-    assigned: list[Variable] = result["assigned"]
-    written = {id(v) for v in assigned}
-    moved: list[tuple[Variable, Any]] = []
-    keep_vars, keep_consts = [], []
-    for cvar, const in zip(jaxpr.constvars, closed.consts):
-        var = var_of.get(id(const))
-        if var is None:
-            keep_vars.append(cvar)
-            keep_consts.append(const)
-        else:
-            moved.append((var, cvar))
-    # A created variable's initial value is the output of one `copy` (see
-    # _trace.create): in the step, that jaxpr variable becomes an input instead.
-    outvars = list(jaxpr.outvars)
-    init_vars = outvars[len(outvars) - n_created :]
-    cut = {id(v) for v in init_vars}
-    eqns = [e for e in jaxpr.eqns if not (len(e.outvars) == 1 and id(e.outvars[0]) in cut)]
-    moved += [(var, jv) for (var, _), jv in zip(frame.created, init_vars)]
-    outvars = outvars[: len(outvars) - n_created]
-    donated = [(v, c) for v, c in moved if id(v) in written]
-    readonly = [(v, c) for v, c in moved if id(v) not in written]
-    # jit pairs each output with the first unused donated input of the same shape and
-    # dtype, in order. Donated inputs in the order of their outputs, and those outputs
-    # first, pair every variable's new value with its own old buffer: XLA updates it in
-    # place, with no copies (a mismatched pairing, e.g. Adam's mu with its parameter,
-    # makes XLA copy each buffer to resolve the aliasing).
-    position = {id(v): i for i, v in enumerate(assigned)}
-    donated.sort(key=lambda vc: position[id(vc[0])])
-    donated_ids = {id(v) for v, _ in donated}
-    order = [position[id(v)] for v, _ in donated]
-    order += [i for i, v in enumerate(assigned) if id(v) not in donated_ids]
-    assigned = [assigned[i] for i in order]
+    inputs; build the runner. The steps: ``_inputs`` (which jaxpr variables become the
+    variables' inputs), ``_pair_donated`` (donated inputs in the order of their outputs),
+    ``_lifted`` (the jaxpr over them), ``_runner`` (the ``jax.jit`` that runs it)."""
+    lift = _inputs(closed, frame)
+    donated, readonly, assigned, order = _pair_donated(lift.moved, result["assigned"])
     moved = donated + readonly
-    invars = [c for _, c in moved] + list(jaxpr.invars)
-    info = jaxpr.debug_info
-    if info is not None:
-        arg_names = info.arg_names
-        if arg_names is not None:
-            arg_names = (*(v.name for v, _ in moved), *arg_names)
-        paths = info.result_paths
-        if paths is not None and not callable(paths):
-            paths = tuple(paths)[: len(outvars)]
-        info = info._replace(arg_names=arg_names, result_paths=paths)
-    lifted = jaxpr.replace(
-        constvars=keep_vars, invars=invars, eqns=eqns, outvars=outvars, debug_info=info
-    )
-    fun = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(lifted, keep_consts))
-    n_out = len(outvars) - len(assigned)
-
-    # Assigned variables come back with the very sharding they went in with (jit's
-    # out_shardings; a with_sharding_constraint would hand back an equivalent but
-    # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
-    # next call sees the same input shardings (no recompilation) and placement is kept.
-    keep = [
-        sh if len(sh.device_set) > 1 else None
-        for sh in (ownership.peek(v).sharding for v in assigned)
-    ]
+    lifted = _lifted(closed.jaxpr, lift, moved)
+    n_out = len(lift.outvars) - len(assigned)
+    program = jex.core.ClosedJaxpr(lifted, lift.consts)
+    if frame.refs:  # variables promoted to refs in control flow: discharged here, with
+        program = pure_jaxpr(program)  # jax_api's while_loop rule, not by jax.jit
 
     # An output that is also a variable's new value or a donated input (`return
     # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
     # could never be donated again: the output gets a copy of its own instead (one
     # copy of the returned value, where sharing cost a copy of the variable per call).
+    outvars = lift.outvars
     new_vars = [outvars[n_out + i] for i in order]
     own_ids = {id(v) for v in new_vars} | {id(c) for _, c in donated}
     to_copy = frozenset(i for i, v in enumerate(outvars[:n_out]) if id(v) in own_ids)
-
-    def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
-        res = fun(*don, *ro, *arrays)
-        new = res[n_out:]
-        out = [jnp.copy(x) if i in to_copy else x for i, x in enumerate(res[:n_out])]
-        return [new[i] for i in order], out
-
     wait = _has_host_callback(lifted)
     kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
     shared = _shared(moved, assigned, new_vars, kept)
     donating = donate and bool(donated) and not wait
-    arg_sh = _leaf_shardings(name, in_shardings, treedef, n_leaves, ref_pos, True)
-    out_sh = _leaf_shardings(name, out_shardings, result["out_tree"], n_out, [], False)
-    has_keep = any(sh is not None for sh in keep)
-    runner = jax.jit(
-        run,
-        donate_argnums=(0,) if donating else (),
-        in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
-        out_shardings=(keep if has_keep else None, out_sh)
-        if has_keep or out_sh is not None
-        else None,
+    runner = _runner(
+        jex.core.jaxpr_as_fun(program),
+        n_out,
+        order,
+        to_copy,
+        assigned,
+        donating,
+        _leaf_shardings(name, in_shardings, treedef, n_leaves, ref_pos, True),
+        _leaf_shardings(name, out_shardings, result["out_tree"], n_out, [], False),
     )
     return Entry(
         f"ps.function '{name}'",
@@ -236,6 +178,122 @@ def _lift(
         donating,
         wait,
         shared,
+    )
+
+
+class _Inputs(NamedTuple):
+    """What ``_inputs`` finds in a trace's jaxpr."""
+
+    moved: list[tuple[Variable, Any]]  # (variable, the jaxpr variable that becomes its input)
+    constvars: list[Any]  # the constants that stay constants
+    consts: list[Any]
+    eqns: list[Any]  # the equations, less the created variables' initial-value copies
+    outvars: list[Any]  # the outputs, less the created variables' initial values
+
+
+def _inputs(closed: Any, frame: _trace.Frame) -> _Inputs:
+    """Which jaxpr variables become inputs: each captured variable's constant, and each
+    created variable's initial value (the output of one ``copy``, see ``_trace.create``:
+    in the step, that jaxpr variable is an input instead, and the copy is cut)."""
+    jaxpr = closed.jaxpr
+    var_of = {id(alias): var for var, alias in frame.captured.values()}
+    moved: list[tuple[Variable, Any]] = []
+    keep_vars, keep_consts = [], []
+    for cvar, const in zip(jaxpr.constvars, closed.consts):
+        var = var_of.get(id(const))
+        if var is None:
+            keep_vars.append(cvar)
+            keep_consts.append(const)
+        else:
+            moved.append((var, cvar))
+    n_created = len(frame.created)
+    outvars = list(jaxpr.outvars)
+    init_vars = outvars[len(outvars) - n_created :]
+    cut = {id(v) for v in init_vars}
+    eqns = [e for e in jaxpr.eqns if not (len(e.outvars) == 1 and id(e.outvars[0]) in cut)]
+    moved += [(var, jv) for (var, _), jv in zip(frame.created, init_vars)]
+    return _Inputs(moved, keep_vars, keep_consts, eqns, outvars[: len(outvars) - n_created])
+
+
+def _pair_donated(
+    moved: list[tuple[Variable, Any]], assigned: list[Variable]
+) -> tuple[list[tuple[Variable, Any]], list[tuple[Variable, Any]], list[Variable], list[int]]:
+    """``(donated, readonly, assigned, order)``: the inputs of assigned variables (donated)
+    and of the others, the assigned variables reordered, and that order (indices into the
+    trace's ``assigned``).
+
+    jit pairs each output with the first unused donated input of the same shape and
+    dtype, in order. Donated inputs in the order of their outputs, and those outputs
+    first, pair every variable's new value with its own old buffer: XLA updates it in
+    place, with no copies (a mismatched pairing, e.g. Adam's mu with its parameter,
+    makes XLA copy each buffer to resolve the aliasing)."""
+    written = {id(v) for v in assigned}
+    donated = [(v, c) for v, c in moved if id(v) in written]
+    readonly = [(v, c) for v, c in moved if id(v) not in written]
+    position = {id(v): i for i, v in enumerate(assigned)}
+    donated.sort(key=lambda vc: position[id(vc[0])])
+    donated_ids = {id(v) for v, _ in donated}
+    order = [position[id(v)] for v, _ in donated]
+    order += [i for i, v in enumerate(assigned) if id(v) not in donated_ids]
+    return donated, readonly, [assigned[i] for i in order], order
+
+
+def _lifted(jaxpr: Any, lift: _Inputs, moved: list[tuple[Variable, Any]]) -> Any:
+    """``jaxpr`` over the variables' inputs (``moved``, first) and its own arguments, its
+    debug info naming them."""
+    info = jaxpr.debug_info
+    if info is not None:
+        arg_names = info.arg_names
+        if arg_names is not None:
+            arg_names = (*(v.name for v, _ in moved), *arg_names)
+        paths = info.result_paths
+        if paths is not None and not callable(paths):
+            paths = tuple(paths)[: len(lift.outvars)]
+        info = info._replace(arg_names=arg_names, result_paths=paths)
+    return jaxpr.replace(
+        constvars=lift.constvars,
+        invars=[c for _, c in moved] + list(jaxpr.invars),
+        eqns=lift.eqns,
+        outvars=lift.outvars,
+        debug_info=info,
+    )
+
+
+def _runner(
+    fun: Callable[..., Any],
+    n_out: int,
+    order: list[int],
+    to_copy: frozenset[int],
+    assigned: list[Variable],
+    donating: bool,
+    arg_sh: list[Any] | None,
+    out_sh: list[Any] | None,
+) -> Callable[..., Any]:
+    """The ``jax.jit`` of ``fun`` (the lifted program) called as ``runner(donated,
+    readonly, arrays) -> (new values in the order of assigned, outputs)``."""
+
+    def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
+        res = fun(*don, *ro, *arrays)
+        new = res[n_out:]
+        out = [jnp.copy(x) if i in to_copy else x for i, x in enumerate(res[:n_out])]
+        return [new[i] for i in order], out
+
+    # Assigned variables come back with the very sharding they went in with (jit's
+    # out_shardings; a with_sharding_constraint would hand back an equivalent but
+    # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
+    # next call sees the same input shardings (no recompilation) and placement is kept.
+    keep = [
+        sh if len(sh.device_set) > 1 else None
+        for sh in (ownership.peek(v).sharding for v in assigned)
+    ]
+    has_keep = any(sh is not None for sh in keep)
+    return jax.jit(
+        run,
+        donate_argnums=(0,) if donating else (),
+        in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
+        out_shardings=(keep if has_keep else None, out_sh)
+        if has_keep or out_sh is not None
+        else None,
     )
 
 
@@ -304,7 +362,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     n_consts = len(jaxpr.constvars)
     if any(used_in[n_consts:]):
         for var, _ in created:
-            default_store()._forget(var)
+            var._store._forget(var)  # the store it was created in, not the default now
             ownership.take_initial(var, None)
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "

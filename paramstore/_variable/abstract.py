@@ -24,13 +24,13 @@ larger than one device"):
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Sharding
+
+from paramstore._core.context import ctx
 
 __all__ = [
     "abstract",
@@ -50,28 +50,20 @@ __all__ = [
 Make = Callable[[], Any]
 
 
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.depth = 0
-
-
-_state = _State()
-
-
 @contextlib.contextmanager
 def abstract() -> Iterator[None]:
     """Create variables abstract inside this block: shape, dtype and sharding only
     (``v.is_abstract``); ``ps.initialize`` or a checkpoint restore makes them concrete."""
-    _state.depth += 1
+    ctx.abstract += 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        ctx.abstract -= 1
 
 
 def creating() -> bool:
     """Whether variables created now are abstract (inside ``with ps.abstract():``)."""
-    return _state.depth > 0
+    return ctx.abstract > 0
 
 
 def error(name: str, what: str = "used") -> ValueError:
@@ -148,38 +140,22 @@ class Joint:
         return self.compute()[self.index]
 
 
-# id(variable) -> (weak reference to it, its initializer); an entry whose variable died (or
-# whose id was reused) is ignored and dropped.
-_pending: dict[int, tuple[weakref.ReferenceType[Any], Make | None]] = {}
-_lock = threading.Lock()
+# An abstract variable holds its initializer in its own ``_initializer`` slot (``_NONE``:
+# none recorded; None: there is none, the variable must be restored).
+_NONE: Any = object()
 
 
 def remember(var: Any, make: Make | None) -> None:
     """Keep ``make`` (None: there is none, the variable must be restored) for ``var``."""
-    key = id(var)
-
-    def drop(_: Any, key: int = key) -> None:
-        with _lock:
-            entry = _pending.get(key)
-            if entry is not None and entry[0]() is None:
-                del _pending[key]
-
-    with _lock:
-        _pending[key] = (weakref.ref(var, drop), make)
+    var._initializer = make
 
 
 def initializer_of(var: Any) -> tuple[bool, Make | None]:
     """``(known, make)``: whether ``var`` has an entry, and its initializer."""
-    with _lock:
-        entry = _pending.get(id(var))
-    if entry is None or entry[0]() is not var:
-        return False, None
-    return True, entry[1]
+    make = getattr(var, "_initializer", _NONE)
+    return (False, None) if make is _NONE else (True, make)
 
 
 def forget(var: Any) -> None:
     """Drop ``var``'s initializer (it became concrete)."""
-    with _lock:
-        entry = _pending.get(id(var))
-        if entry is not None and entry[0]() is var:
-            del _pending[id(var)]
+    var._initializer = _NONE

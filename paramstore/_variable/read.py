@@ -45,11 +45,12 @@ class Reads(ArrayOps):
     def value(self) -> jax.Array:
         """The current array (inside ``ps.function`` / ``ps.pure``, the traced value). A
         string variable's is a NumPy ``StringDType`` array (host data)."""
-        # (The ignores, not cast(): a cast is a call, on the hottest read path.)
+        # (The ignores, not cast(): a cast is a call, on the hottest read path; `self` is
+        # a Variable, of which this class is a base.)
         if _trace.depth:
-            return _trace.read(self)  # type: ignore[no-any-return]
+            return _trace.read(self)  # type: ignore[no-any-return,arg-type]
         if current_trace() is not EVAL:
-            return _trace.outside(self)  # type: ignore[no-any-return]
+            return _trace.outside(self)  # type: ignore[no-any-return,arg-type]
         return ownership.hand_out(self)  # type: ignore[no-any-return]
 
     read_value = value

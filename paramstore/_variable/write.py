@@ -206,7 +206,7 @@ class Writes(Reads):
     def _swap(self, new: Any, placed: bool = False, owned: bool = True, update: str = "") -> None:
         """Make ``new`` (checked by the caller) the value: in the active frame, or for real
         (``update``: the op, e.g. ``assign_add``, when ``new`` is computed from the value)."""
-        if _trace.depth and _trace.bind(self, new, update):
+        if _trace.depth and _trace.bind(self, new, update):  # type: ignore[arg-type]  # a Variable
             return
         trace = current_trace()
         if isinstance(new, Tracer) or trace is not EVAL and staging(trace):

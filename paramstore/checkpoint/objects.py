@@ -47,7 +47,7 @@ from paramstore.checkpoint.saver import (
     outside_traces,
     placements_for,
 )
-from paramstore.module import Module
+from paramstore.module import PENDING, Module, on_attribute_set
 from paramstore.typing import Trackable
 from paramstore.variable import Variable, set_initial_value
 
@@ -122,16 +122,24 @@ class _Pending:
                 full, saved = self.values.pop(key)
                 defer(sub, key[len(sub_path) + 1 :], full, saved, self.status)
         if not self.values:
-            del module.__dict__["_ps_pending"]
+            del module.__dict__[PENDING]
 
 
 def defer(module: Module, rel: str, name: str, value: np.ndarray, status: CheckpointStatus) -> None:
     """Keep the file's ``name`` = ``value`` for ``module``'s variable at relative path
     ``rel``, assigned when it is created."""
-    pending = module.__dict__.get("_ps_pending")
+    pending = module.__dict__.get(PENDING)
     if pending is None:
-        pending = module.__dict__["_ps_pending"] = _Pending(status)
+        pending = module.__dict__[PENDING] = _Pending(status)
     pending.values[rel] = (name, value)
+
+
+@on_attribute_set
+def _attached(module: Module, name: str, value: Any) -> None:
+    """``module.<name> = value`` on a module with deferred values: restore what it holds."""
+    pending = module.__dict__.get(PENDING)
+    if isinstance(pending, _Pending):
+        pending.attached(module, name, value)
 
 
 class CheckpointStatus:
@@ -142,7 +150,6 @@ class CheckpointStatus:
         self.path = path
         self._unused = set(names)  # file values not yet given to a variable
         self._restored: set[int] = set()
-        self._partial = False
 
     def apply(self, v: Variable, value: np.ndarray, name: str) -> None:
         _apply(v, value, name, self.path)
@@ -182,8 +189,7 @@ class CheckpointStatus:
 
     def expect_partial(self) -> CheckpointStatus:
         """Declare that not everything is expected to match (as in TensorFlow); returns
-        the status. The assert methods still report what did not."""
-        self._partial = True
+        the status. The assert methods still report what did not (it changes nothing)."""
         return self
 
 

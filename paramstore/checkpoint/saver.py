@@ -30,7 +30,7 @@ from paramstore.checkpoint.format import (
     lacks_variables,
 )
 from paramstore.checkpoint.formats.orbax import format as _orbax
-from paramstore.checkpoint.formats.safetensors.file import write_arrays
+from paramstore.checkpoint.formats.safetensors.file import write_checked
 from paramstore.checkpoint.formats.safetensors.format import check_name
 from paramstore.checkpoint.io import path_lock
 from paramstore.checkpoint.readers import opened
@@ -86,11 +86,18 @@ class Saver:
                 )
             var_list = dict(var_list)  # a snapshot of the names, as a list would be
         self._source: Any = default_store() if var_list is None else var_list
-        self._mapping()  # validate now
+        # validated now; a dict is a snapshot (copied above), so its mapping is built and its
+        # names checked here once, not again at each save and restore
+        fixed = self._read_mapping()
+        self._fixed = fixed if isinstance(var_list, Mapping) else None
 
     def _mapping(self) -> dict[str, Variable]:
         """``{checkpoint_name: Variable}`` as it stands now (a store or a Module is read
         again at every save and restore, so variables created later are included)."""
+        return self._fixed if self._fixed is not None else self._read_mapping()
+
+    def _read_mapping(self) -> dict[str, Variable]:
+        """The mapping read from the source, every name checked (``check_name``)."""
         try:
             names, found = named(self._source, strings=True)
         except TypeError as e:
@@ -118,7 +125,7 @@ class Saver:
         with path_lock(path):
             if self._writes_sharded():
                 return _orbax.save(path, self._device_values())
-            return write_arrays(path, self._snapshot(copy=False))
+            return write_checked(path, self._snapshot(copy=False))
 
     def _writes_sharded(self) -> bool:
         """Whether ``save`` writes the sharded (Orbax) format now."""

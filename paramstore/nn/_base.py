@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import re
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
@@ -146,16 +145,24 @@ def as_float(x: ValueLike, layer: Layer | str = "this layer") -> jax.Array:
     return x
 
 
-_LOCKS: weakref.WeakKeyDictionary[Layer, threading.RLock] = weakref.WeakKeyDictionary()
-_LOCKS_LOCK = threading.Lock()
+class _BuildLock:
+    """A layer's build lock, held by the layer itself (``_ps_build_lock``); a deep copy of
+    the layer gets a lock of its own."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _BuildLock:
+        return _BuildLock()
 
 
 def _lock_of(layer: Layer) -> threading.RLock:
-    with _LOCKS_LOCK:
-        lock = _LOCKS.get(layer)
-        if lock is None:
-            lock = _LOCKS[layer] = threading.RLock()
-        return lock
+    holder = layer.__dict__.get("_ps_build_lock")
+    if holder is None:  # dict.setdefault is atomic: threads racing here get one lock
+        holder = layer.__dict__.setdefault("_ps_build_lock", _BuildLock())
+    return holder.lock  # type: ignore[no-any-return]
 
 
 def _as_shape(shape: Any, who: str) -> Shape:

@@ -124,7 +124,8 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
     ``{variable full name: Sharding}`` (variables not in it stay), or a callable
     ``fn(variable) -> Sharding | None`` (None: stays). Every target is checked against its
     variable's shape before any variable moves: a sharding that does not fit raises
-    ``ValueError`` naming the variable, and then no variable changes.
+    ``ValueError`` naming the variable, and then no variable changes. The moves are
+    atomic, as a restore is: a compiled step in another thread sees all of them or none.
     """
     if _trace.active():
         raise RuntimeError(
@@ -132,9 +133,17 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
             "and the gradient functions."
         )
     targets = plan(variables_of(variables), sharding)
-    moved = [(v, jax.device_put(ownership.peek(v), sh)) for v, sh in targets]  # all, then write
-    for v, value in moved:
-        v._write(value)
+    if not targets:
+        return
+    moving = [v for v, _ in targets]
+    # As a restore does (checkpoint.saver.assign_all): under the state lock, so a compiled
+    # step in another thread runs wholly before or after the move (never between two
+    # variables, never losing an update); each array is read through ``hand_out`` (never
+    # donated while it is copied) and all are written at once, recorded as given (a move
+    # may alias the old buffer). ``device_put`` only dispatches the copies.
+    with ownership.lock:
+        moved = [jax.device_put(ownership.hand_out(v), sh) for v, sh in targets]
+        ownership.write_many(moving, moved, shared=moving)
 
 
 def plan(variables: list[Variable], sharding: ShardingTargets) -> list[tuple[Variable, Sharding]]:

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import paramstore as ps
-from paramstore.checkpoint import CheckpointError, CheckpointManager, Saver
+from paramstore.checkpoint import CheckpointError, CheckpointManager, Saver, objects, saver
+from paramstore.checkpoint.formats.safetensors import file
 
 
 class Dense(ps.Module):
@@ -291,3 +292,32 @@ def test_deferred_restoration_inside_a_compiled_function(tmp_path):
     np.testing.assert_array_equal(np.asarray(run(np.ones((1, 3), np.float32))), [[21.0, 21.0]])
     np.testing.assert_array_equal(fresh.w.numpy(), np.full((3, 2), 7.0))
     status.assert_consumed()
+
+
+def test_a_save_walks_the_objects_once_and_checks_each_name_once(tmp_path, monkeypatch):
+    """Checkpoint.save builds its {path: variable} mapping once and checks each name once
+    (it used to build it twice and check every name three times)."""
+    counts = {"walk": 0, "check": 0, "file check": 0}
+
+    def counted(key, fn):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(objects, "object_paths", counted("walk", objects.object_paths))
+    monkeypatch.setattr(saver, "check_name", counted("check", saver.check_name))
+    monkeypatch.setattr(file, "check_name", counted("file check", file.check_name))
+    model = ps.Module()
+    model.w = ps.Variable(np.ones(3, np.float32))
+    model.b = [ps.Variable(0.0), ps.Variable(1.0)]
+    path = ps.Checkpoint(model=model).save(tmp_path / "c.safetensors")
+    assert counts == {"walk": 1, "check": 3, "file check": 0}
+    assert sorted(name for name, _, _ in ps.checkpoint.list_variables(path)) == [
+        "model/b/0",
+        "model/b/1",
+        "model/w",
+    ]
+    with pytest.raises(CheckpointError, match="'__metadata__' is reserved"):
+        ps.checkpoint.write_arrays(tmp_path / "x", {"__metadata__": np.ones(1)})  # still checked

@@ -239,6 +239,35 @@ def test_initial_value_depending_on_argument_values_is_a_clear_error(_fresh_stor
     assert f.trace_count == 0
 
 
+def test_a_failed_trace_forgets_its_variable_in_its_own_store_only(_fresh_store):
+    """The undo of a failed creation removes the variable the trace created, from the store
+    it was created in: a same-named variable of the outer store survives."""
+    outer = ps.Variable(1.0, name="v")
+    inner: list[ps.VariableStore] = []
+
+    @ps.function
+    def f(x):
+        with ps.VariableStore() as store:
+            inner.append(store)
+            v = ps.Variable(x * 2, name="v")  # depends on the argument: the trace fails
+        return v.value()
+
+    with pytest.raises(ValueError, match=r"'v'.*depends on the values of the function's"):
+        f(1.0)
+    assert _fresh_store.get("v") is outer
+    assert _fresh_store.variables() == [outer]
+    assert inner[0].variables() == []
+    np.testing.assert_allclose(outer.numpy(), 1.0)
+
+
+def test_forgetting_a_variable_leaves_another_of_the_same_name(_fresh_store):
+    kept = ps.Variable(1.0, name="w")
+    with ps.VariableStore():
+        other = ps.Variable(2.0, name="w")  # the same full name, in another store
+    _fresh_store._forget(other)
+    assert _fresh_store.get("w") is kept
+
+
 def test_initial_value_computed_in_the_trace_from_shapes(_fresh_store):
     @ps.function
     def g(x):

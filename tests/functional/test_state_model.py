@@ -488,3 +488,31 @@ def test_an_assign_in_a_while_loop_condition_is_a_clear_error():
     with pytest.raises(TypeError):  # eagerly too: an assign inside a JAX trace
         jax.lax.while_loop(cond, body, 0)
     assert float(n) == 0.0 and float(i) == 0.0
+
+
+# ------------------------------------------------- while_loop conditions under plain jax.jit
+
+
+def test_pure_under_jit_refuses_a_condition_reading_what_the_body_assigns():
+    """ps.pure under a plain jax.jit: JAX discharges the loop with its own rule, whose
+    condition would never see the body's assigns (a loop that does not end): refused."""
+    c = ps.Variable(0, name="counter")
+
+    def count_to(n):
+        jax.lax.while_loop(lambda _: c < n, lambda _: _inc(c, 1), None)
+        return c.value()
+
+    step = jax.jit(ps.pure(count_to, [c]))
+    with pytest.raises(TypeError) as e:
+        step(ps.state([c]), 5)
+    message = str(e.value)
+    assert "'counter' is read in a jax.lax.while_loop condition and assigned" in message
+    assert "Run the loop in a ps.function" in message
+    assert int(c.numpy()) == 0
+    # the same loop in a ps.function runs; a condition that only reads runs under jit too
+    assert int(ps.function(count_to)(5)) == 5
+    limit = ps.Variable(3, name="limit")
+    bounded = jax.jit(
+        ps.pure(lambda: jax.lax.while_loop(lambda i: i < limit, lambda i: i + 1, 0), [limit])
+    )
+    assert int(bounded(ps.state([limit]))[0]) == 3

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -373,3 +375,17 @@ def test_jit_grad_through_layers():
     assert jax.tree_util.tree_all(
         jax.tree_util.tree_map(lambda g: bool(jnp.isfinite(g).all()), grads)
     )
+
+
+def test_a_layer_holds_its_build_lock_and_a_deep_copy_gets_its_own():
+    layer = ps.nn.Dense(2)
+    x = jnp.ones((1, 3))
+    layer(x)
+    twin = copy.deepcopy(layer)
+    lock = layer.__dict__["_ps_build_lock"]
+    assert twin.__dict__["_ps_build_lock"] is not lock
+    np.testing.assert_allclose(twin(x), layer(x))
+    assert [v.name for v in layer.variables] != [v.name for v in twin.variables]
+    assert "_ps_build_lock" not in {
+        p.split("/")[0] for p in ps.Checkpoint(m=layer).variables_by_path()
+    }

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import re
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bounded import BOUND
 from _multidevice import multi_device_tests, run_checks
 from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -663,6 +665,51 @@ def check_reshard_moves_all_or_nothing():
     a.assign_add(1.0)
     assert a.sharding == NamedSharding(mesh, P("x"))
     np.testing.assert_array_equal(a.numpy(), np.arange(1.0, 9.0))
+
+
+@check
+def check_reshard_racing_a_step_is_atomic():
+    """A reshard while a ps.function step runs in another thread: the step never meets a
+    deleted (donated mid-copy) buffer, never sees one variable moved and the other not (its
+    difference stays), and no update is lost (the counts match)."""
+    mesh = auto_mesh((2,), ("x",), devices=jax.devices()[:2])
+    targets = [NamedSharding(mesh, P("x")), NamedSharding(mesh, P())]
+    a = ps.Variable(np.zeros(64, np.float32), name="a", sharding=targets[1])
+    b = ps.Variable(np.full(64, 100.0, np.float32), name="b", sharding=targets[1])
+
+    @ps.function
+    def step():
+        a.assign_add(1.0)
+        b.assign_add(1.0)
+        return a.value() - b.value()
+
+    steps, failures, stop = [0], [], threading.Event()
+
+    def stepping():
+        try:
+            while not stop.is_set():
+                diff = _block(step())
+                steps[0] += 1
+                np.testing.assert_array_equal(diff, np.full(64, -100.0))
+        except BaseException as e:
+            failures.append(e)
+
+    t = threading.Thread(target=stepping, daemon=True)
+    t.start()
+    try:
+        for i in range(40):
+            ps.sharding.reshard([a, b], targets[i % 2])
+            _block([a.value(), b.value()])
+            # never one moved and the other not (a step returns both as it compiled them)
+            assert a.sharding == b.sharding, (a.sharding, b.sharding)
+    finally:
+        stop.set()
+        t.join(BOUND)
+    assert not t.is_alive(), f"the stepping thread is still running after {BOUND} s"
+    assert not failures, repr(failures[0])
+    assert steps[0] > 0
+    np.testing.assert_array_equal(a.numpy(), np.full(64, float(steps[0])))
+    np.testing.assert_array_equal(b.numpy(), np.full(64, 100.0 + steps[0]))
 
 
 # ========================================================================== the harness

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -149,14 +150,17 @@ def test_abstract_initializer_that_cannot_be_traced_is_a_clear_error(fresh_store
     assert [v.name for v in fresh_store.variables()] == ["generator"]
 
 
-def test_abstract_state_registry_drops_dead_variables(fresh_store):
+def test_an_abstract_variable_holds_its_own_initializer(fresh_store):
     with ps.abstract():
         v = ps.Variable(ps.initializers.zeros(), shape=(2,), name="v")
-    assert _abstract.initializer_of(v)[0]
-    key = id(v)
-    del v
+    known, make = _abstract.initializer_of(v)
+    assert known and callable(make)
+    assert _abstract.initializer_of(ps.Variable(1.0)) == (False, None)  # a concrete one: none
+    ref = weakref.ref(v)
+    del v, make
     gc.collect()
-    assert key not in _abstract._pending
+    assert ref() is None  # no table keeps it (or its initializer) alive
+    assert not hasattr(_abstract, "_pending")  # no id()-keyed side table
 
 
 def test_abstract_initializer_error_is_reported_with_its_cause(fresh_store):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore._core import seed as _seed
-from paramstore.module import Module
+from paramstore.module import PENDING, Module
 from paramstore.random import Generator
 from paramstore.variable import Variable
 
@@ -30,7 +30,7 @@ __all__ = [
     "unstack_state",
 ]
 
-_SKIP = ("_scope_name", "_module_name", "_ps_pending")
+_SKIP = ("_scope_name", "_module_name", PENDING)
 STACKED = "stacked"  # the Repeat attribute holding the stacked variables
 
 

@@ -57,9 +57,15 @@ def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
     header over the placeholder; fsync, rename over ``path``, fsync the directory. Only a
     string tensor is ever encoded into a new buffer. Returns ``path`` as a string.
     """
-    path = os.fspath(path)
     for name in arrays:
         check_name(name)
+    return write_checked(path, arrays)
+
+
+def write_checked(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
+    """``write_arrays`` of names already checked (``check_name``: a ``Saver`` checks its
+    names once, when it reads its mapping)."""
+    path = os.fspath(path)
     tensors = [encode(name, np.asarray(a)) for name, a in arrays.items()]
     tensors.sort(key=lambda t: -t.itemsize)  # so each tensor starts aligned to its itemsize
     directory = os.path.dirname(path)
