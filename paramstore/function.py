@@ -246,7 +246,7 @@ class Function(Generic[P, R]):
             return
         for fast_key in [k for k, e in self._fast.items() if e is entry]:
             del self._fast[fast_key]
-        ownership.drop(entry)
+        ownership.drop(entry.program)
 
     def _trace_signature(
         self, key: Any, leaves: list[Any], treedef: Any, static: tuple[Any, ...]

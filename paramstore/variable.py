@@ -105,8 +105,7 @@ class Variable(Writes):
     """A named, stateful array (see the module docstring for the contract)."""
 
     __slots__ = (
-        "_value",  # the array: read and written by paramstore._core.ownership only
-        "_given",  # id() of the array last handed out (ownership's record)
+        # (_value, _given, _override: ownership's fields, from _core.ownership.Owned)
         "_name",
         "_trainable",
         "_dtype",
@@ -199,10 +198,7 @@ class Variable(Writes):
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """An independent copy: same value, dtype, shape and trainable flag; a new unique
         name (this one's, numbered) in the current default store."""
-        with STATE_LOCK:  # copied before any step can donate it
-            value = ownership.peek(self)
-            if not self._is_string:
-                value = jnp.array(value, copy=True)
+        value = ownership.copy(self)  # under the lock: copied before any step can donate it
         new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
         memo[id(self)] = new
         return new
@@ -224,7 +220,7 @@ class _Detached(Variable):
     __slots__ = ()
 
     def value(self) -> jax.Array:
-        return ownership.peek(self)  # type: ignore[no-any-return]  # a pytree leaf, never donated
+        return ownership.leaf(self)  # type: ignore[no-any-return]  # a pytree leaf, never donated
 
     read_value = value
 
