@@ -49,6 +49,7 @@ from paramstore._collect import Where, named, non_trainable, structured, trainab
 from paramstore._core import frames as _trace
 from paramstore._core.context import STATE_LOCK
 from paramstore._core.dtypes import shape_error
+from paramstore._core.interrupts import deferred
 from paramstore._core.store import State
 from paramstore.typing import PyTree, ValueLike, VariablesLike
 from paramstore.variable import Variable, VariableSlice
@@ -172,7 +173,7 @@ def update(
     names, found = named(vars_or_module)
     _, found, vals = _values_for(names, found, values, partial)
     checked = [v._coerce(x, "assign") for v, x in zip(found, vals)]
-    with STATE_LOCK:
+    with deferred(), STATE_LOCK:  # all or nothing, Ctrl-C included (held back to the end)
         for v, x in zip(found, checked):
             v._swap(x, owned=False)
 

@@ -114,6 +114,7 @@ class Variable(Writes):
         "_is_key",
         "_arith",
         "_delta_aval",  # the aval of the last eager update's delta that passed every check
+        "_warm",  # the kinds of delta an eager update of this variable ran with (issue 28)
         "_partition",
         "__weakref__",
     )
@@ -186,6 +187,7 @@ class Variable(Writes):
         self._is_string = self._dtype == STRING
         self._arith = not (self._is_key or self._is_string or self._dtype.kind == "b")
         self._delta_aval = None
+        self._warm = set()
 
     def ref(self) -> Reference:
         """A hashable reference to this variable."""

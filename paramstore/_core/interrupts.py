@@ -23,10 +23,10 @@ there.
 from __future__ import annotations
 
 import signal
-from collections import deque
 import threading
-from types import FrameType, TracebackType
+from collections import deque
 from itertools import repeat
+from types import FrameType, TracebackType
 from typing import Any
 
 __all__ = ["deferred"]

@@ -102,7 +102,7 @@ class Program:
 
     __slots__ = (
         "runner", "donated", "readonly", "assigned", "shared", "donate", "wait", "steady",
-        "n_donated", "copy_first", "warm", "version", "last",
+        "n_donated", "copy_first", "warm", "fast", "version", "last",
     )  # fmt: skip
 
     def __init__(
@@ -127,6 +127,7 @@ class Program:
         # The first call donates private copies on CPU (module docstring).
         self.copy_first = donate and any(_on_cpu(v) for v in self.donated)
         self.warm = False  # the first call succeeded: jit's C++ dispatch has it
+        self.fast = False  # warm, steady and no host callbacks: the steady path
         self.version = -1
         self.last: tuple[Any, Any] = ((), ())
 
@@ -287,7 +288,7 @@ class Ownership:
 
     def call(self, p: Program, leaves: list[Any]) -> Any:
         """Run ``p`` on ``leaves`` atomically: gather, dispatch, write; its outputs."""
-        if not (p.warm and p.steady):
+        if not p.fast:
             return self._call_cold(p, leaves)
         with self.lock:
             if self.version == p.version and self.cached is p:
@@ -330,6 +331,7 @@ class Ownership:
                     p.last = (new[: p.n_donated], ro)
                     p.version = self.version
                 p.warm = True
+                p.fast = p.steady
         return out
 
     def _call_and_wait(self, p: Program, leaves: list[Any]) -> Any:

@@ -38,6 +38,7 @@ class Reads(ArrayOps, Owned):
     _is_key: bool
     _arith: bool
     _delta_aval: Any
+    _warm: set[Any]
     _partition: tuple[Any, ...] | None
 
     def value(self) -> jax.Array:
