@@ -172,6 +172,13 @@ def update(
         raise TypeError(f"ps.update: partial must be True or False, got {partial!r}.")
     names, found = named(vars_or_module)
     _, found, vals = _values_for(names, found, values, partial)
+    for v, x in zip(found, vals):
+        if x is None:
+            raise TypeError(
+                f"ps.update: the value for variable '{v.name}' is None. Give an array of "
+                f"shape {v.shape} and dtype {v.dtype.name}, or leave the name out (with "
+                "partial=True)."
+            )
     checked = [v._coerce(x, "assign") for v, x in zip(found, vals)]
     with deferred(), STATE_LOCK:  # all or nothing, Ctrl-C included (held back to the end)
         for v, x in zip(found, checked):

@@ -1,12 +1,16 @@
 """Interrupt an operation at many points: ``sweep`` runs it once per point k, with
-``_thread.interrupt_main()`` (what Ctrl-C does) called at the k-th Python trace event
-(a call or a line, in any module: paramstore's, JAX's, the standard library's), and checks
-that afterwards every variable is readable and that all of them hold their values from
-before the operation, or all of them their values from after it.
+``_thread.interrupt_main()`` (what Ctrl-C does) called at the k-th profiling event of the
+operation (in any module: paramstore's, JAX's, the standard library's), and checks that
+afterwards every variable is readable and that all of them hold their values from before
+the operation, or all of them their values from after it.
 
-The signal's handler runs at the next point where the main thread checks for one, so k
-swept over every event of the operation lands the ``KeyboardInterrupt`` at every place
-it can land. Bounded in time: a hang dumps the stacks and ends the run (a failure).
+The events are those where CPython runs a pending signal's handler: the start of a Python
+function, and the return of any call, Python or C (``call``, ``return``, ``c_return``,
+``c_exception`` of ``sys.setprofile``). The handler's ``KeyboardInterrupt`` is raised right
+there, in the profiled code, so k swept over every event lands it at every place a real
+Ctrl-C can land (a ``line`` event of ``sys.settrace`` would also land it where no signal
+can, e.g. between a ``with`` block's last line and its ``__exit__``). Bounded in time: a
+hang dumps the stacks and ends the run (a failure).
 """
 
 from __future__ import annotations
@@ -35,19 +39,22 @@ def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
 
 
+_EVENTS = frozenset(("call", "return", "c_return", "c_exception"))
+
+
 def count_events(op: Callable[[], Any]) -> int:
-    """The number of trace events one run of ``op`` makes."""
+    """The number of events one run of ``op`` makes."""
     n = [0]
 
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        n[0] += 1
-        return tracer
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event in _EVENTS:
+            n[0] += 1
 
-    sys.settrace(tracer)
+    sys.setprofile(profiler)
     try:
         op()
     finally:
-        sys.settrace(None)
+        sys.setprofile(None)
     return n[0]
 
 
@@ -56,20 +63,20 @@ def run_interrupted(op: Callable[[], Any], k: int) -> tuple[bool, bool]:
     n = [0]
     fired = [False]
 
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        n[0] += 1
-        if n[0] == k:
-            fired[0] = True
-            _thread.interrupt_main()
-        return tracer
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event in _EVENTS:
+            n[0] += 1
+            if n[0] == k:
+                fired[0] = True
+                _thread.interrupt_main()  # raised right here, in the profiled code
 
     raised = False
-    sys.settrace(tracer)
+    sys.setprofile(profiler)
     try:
         try:
             op()
         finally:
-            sys.settrace(None)
+            sys.setprofile(None)
         _noop()  # a pending interrupt lands here at the latest
     except KeyboardInterrupt:
         raised = True
