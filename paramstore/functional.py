@@ -109,6 +109,12 @@ def _values_for(
             )
     out = [values[n] for n in names]
     for name, var, val in zip(names, variables, out):
+        if val is None:
+            raise TypeError(
+                f"ps.update: the value for variable '{var.name}' is None. Give an array of "
+                f"shape {var.shape} and dtype {var.dtype.name}, or leave the name out (with "
+                "partial=True)."
+            )
         if tuple(np.shape(val)) != var.shape:
             raise shape_error(name, var.shape, tuple(np.shape(val)))
     return names, variables, out
@@ -172,13 +178,6 @@ def update(
         raise TypeError(f"ps.update: partial must be True or False, got {partial!r}.")
     names, found = named(vars_or_module)
     _, found, vals = _values_for(names, found, values, partial)
-    for v, x in zip(found, vals):
-        if x is None:
-            raise TypeError(
-                f"ps.update: the value for variable '{v.name}' is None. Give an array of "
-                f"shape {v.shape} and dtype {v.dtype.name}, or leave the name out (with "
-                "partial=True)."
-            )
     checked = [v._coerce(x, "assign") for v, x in zip(found, vals)]
     with deferred(), STATE_LOCK:  # all or nothing, Ctrl-C included (held back to the end)
         for v, x in zip(found, checked):
