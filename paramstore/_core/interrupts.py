@@ -25,14 +25,17 @@ from __future__ import annotations
 import signal
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable
 from itertools import repeat
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["deferred"]
 
 _MAIN = threading.main_thread().ident
-_EXHAUST = deque(maxlen=0).extend  # runs an iterator to its end, in C
+_EXHAUST: Callable[[Iterable[Any]], None] = deque(
+    maxlen=0
+).extend  # runs an iterator to its end, in C
 _SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
@@ -86,7 +89,9 @@ class deferred:
         for signum, frame in pending:
             handler = saved.get(signum, signal.getsignal(signum))
             if _python_handler(handler):
-                handler(signum, frame)  # may raise: right after the region
+                cast(Callable[[int, Any], None], handler)(
+                    signum, frame
+                )  # may raise: right after the region
 
 
 def _python_handler(handler: Any) -> bool:

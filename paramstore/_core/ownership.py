@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat, tee
 from typing import Any
 
@@ -81,7 +81,9 @@ __all__ = ["Ownership", "ownership", "Owned", "Program"]
 _VALUE = operator.attrgetter("_value")
 _GIVEN = operator.attrgetter("_given")
 _FIRST = operator.itemgetter(0)
-_EXHAUST = deque(maxlen=0).extend  # consumes an iterator in C: no bytecode between items
+_EXHAUST: Callable[[Iterable[Any]], None] = deque(
+    maxlen=0
+).extend  # consumes an iterator in C: no bytecode between items
 _NO_OVERRIDE: Any = object()
 
 
@@ -91,9 +93,12 @@ class Owned:
     ``set_initial_value`` gave while a trace still computes the initial value."""
 
     __slots__ = ("_value", "_given", "_override")
+    _value: Any
+    _given: int
+    _override: Any
 
 
-_SET_VALUE = Owned._value.__set__  # type: ignore[attr-defined]
+_SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the slot's setter
 
 
 class Program:
@@ -276,7 +281,7 @@ class Ownership:
         """The donated and read-only inputs of ``p`` (hold the lock): a given donated
         array is replaced by a private copy."""
         if self.version == p.version and self.cached is p:
-            return p.last  # type: ignore[no-any-return]
+            return p.last
         self.release_cached()
         donated = p.donated
         don = list(map(_VALUE, donated))
