@@ -1,21 +1,24 @@
 """Interrupt an operation at many points: ``sweep`` runs it once per point k, with
-``_thread.interrupt_main()`` (what Ctrl-C does) called at the k-th profiling event of the
-operation (in any module: paramstore's, JAX's, the standard library's), and checks that
-afterwards every variable is readable and that all of them hold their values from before
-the operation, or all of them their values from after it.
+``_thread.interrupt_main()`` (what Ctrl-C does) called at the k-th point of the operation
+where CPython could run a signal's handler (in any module: paramstore's, JAX's, the
+standard library's), and checks that afterwards every variable is readable and that all
+of them hold their values from before the operation, or all of them their values from
+after it.
 
-The events are those where CPython runs a pending signal's handler: the start of a Python
-function, and the return of any call, Python or C (``call``, ``return``, ``c_return``,
-``c_exception`` of ``sys.setprofile``). The handler's ``KeyboardInterrupt`` is raised right
-there, in the profiled code, so k swept over every event lands it at every place a real
-Ctrl-C can land (a ``line`` event of ``sys.settrace`` would also land it where no signal
-can, e.g. between a ``with`` block's last line and its ``__exit__``). Bounded in time: a
-hang dumps the stacks and ends the run (a failure).
+The points are exactly where CPython 3.11 checks for a pending signal: the start of a
+Python function, the instruction after every call (of anything: a Python function, a
+builtin, a C extension's callable such as a ``jax.jit`` function) and every backward
+jump. A ``sys.settrace`` function with opcode events stops there and raises the
+handler's ``KeyboardInterrupt`` right there, in the traced code, so k swept over every
+point lands it at every place a real Ctrl-C can land, and nowhere a real one cannot
+(a ``line`` event would, e.g. between a ``with`` block's last line and its ``__exit__``).
+Bounded in time: a hang dumps the stacks and ends the run (a failure).
 """
 
 from __future__ import annotations
 
 import _thread
+import dis
 import faulthandler
 import sys
 import time
@@ -39,46 +42,81 @@ def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
 
 
-_EVENTS = frozenset(("call", "return", "c_return", "c_exception"))
+_POINTS: dict[Any, frozenset[int]] = {}
+
+
+def _checkpoints(code: Any) -> frozenset[int]:
+    """The offsets of ``code`` where CPython 3.11 runs a pending signal's handler: right
+    after each call returns (``CALL``) and at each backward jump's target."""
+    points = _POINTS.get(code)
+    if points is None:
+        found: set[int] = set()
+        after_call = False
+        for ins in dis.get_instructions(code):
+            if after_call:
+                found.add(ins.offset)
+            after_call = ins.opname == "CALL"
+            if ins.opname.startswith("JUMP_BACKWARD"):
+                found.add(ins.argval)
+        points = _POINTS[code] = frozenset(found)
+    return points
+
+
+def _tracer(on_point: Callable[[], None]) -> Callable[..., Any]:
+    """A trace function calling ``on_point()`` at each point a signal's handler can run:
+    a Python function's start, and every offset ``_checkpoints`` lists."""
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            on_point()
+        elif event == "opcode" and frame.f_lasti in _checkpoints(frame.f_code):
+            on_point()
+        return tracer
+
+    return tracer
 
 
 def count_events(op: Callable[[], Any]) -> int:
-    """The number of events one run of ``op`` makes."""
+    """The number of points where a signal's handler can run in one run of ``op``."""
     n = [0]
 
-    def profiler(frame: Any, event: str, arg: Any) -> None:
-        if event in _EVENTS:
-            n[0] += 1
+    def count() -> None:
+        n[0] += 1
 
-    sys.setprofile(profiler)
+    sys.settrace(_tracer(count))
     try:
         op()
     finally:
-        sys.setprofile(None)
+        sys.settrace(None)
     return n[0]
 
 
 def run_interrupted(op: Callable[[], Any], k: int) -> tuple[bool, bool]:
-    """Run ``op`` with an interrupt at trace event ``k``: (it fired, it was raised)."""
+    """Run ``op`` with an interrupt at point ``k``: (it fired, it was raised)."""
     n = [0]
     fired = [False]
 
-    def profiler(frame: Any, event: str, arg: Any) -> None:
-        if event in _EVENTS:
-            n[0] += 1
-            if n[0] == k:
-                fired[0] = True
-                _thread.interrupt_main()  # raised right here, in the profiled code
+    def point() -> None:
+        n[0] += 1
+        if n[0] == k:
+            fired[0] = True
+            _thread.interrupt_main()  # raised right here, in the traced code
 
     raised = False
-    sys.setprofile(profiler)
+    sys.settrace(_tracer(point))
     try:
         try:
             op()
         finally:
-            sys.setprofile(None)
+            sys.settrace(None)
         _noop()  # a pending interrupt lands here at the latest
     except KeyboardInterrupt:
+        raised = True
+    except Exception:  # what a C caller made of it (numpy: SystemError), as with Ctrl-C
+        if not fired[0]:
+            raise
         raised = True
     return fired[0], raised
 
