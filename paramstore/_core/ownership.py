@@ -177,12 +177,29 @@ class Ownership:
         array the transformation gave, never a live variable's buffer)."""
         return var._value
 
-    def copy(self, var: Owned) -> Any:
-        """A private copy of the array (its own buffer), taken under the lock so that no
-        step donates it meanwhile; a host value (a string variable's) as it is."""
+    def copy(self, var: Owned, sharding: Any = None) -> Any:
+        """A private copy of the array (its own buffer; on ``sharding`` if given), taken
+        under the lock so that no step donates it meanwhile; a host value (a string
+        variable's) as it is."""
         with self.lock:
             value = var._value
-            return value if not isinstance(value, jax.Array) else private_copy(value)
+            if not isinstance(value, jax.Array):
+                return value
+            if sharding is None:
+                return private_copy(value)
+            return jax.device_put(value, sharding, may_alias=False)
+
+    def spec(self, var: Owned) -> jax.ShapeDtypeStruct:
+        """The array's shape, dtype and sharding (no data)."""
+        x = var._value
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+    def commit(self, var: Owned, sharding: Any) -> None:
+        """Move an uncommitted array (no placement yet) onto ``sharding``; else nothing."""
+        with self.lock:
+            x = var._value
+            if isinstance(x, jax.Array) and not getattr(x, "committed", True):
+                self.write(var, jax.device_put(x, sharding, may_alias=False), owned=True)
 
     # -- writing
     def write(self, var: Owned, new: Any, owned: bool = False) -> None:

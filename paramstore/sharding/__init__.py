@@ -91,7 +91,9 @@ __all__ = [
 ]
 
 
-def settle_unplaced(assigned: Iterable[Variable], inputs: Iterable[object]) -> None:
+def settle_unplaced(
+    assigned: Iterable[Variable], inputs: Iterable[object], captured: Iterable[Variable] = ()
+) -> None:
     """Before the first call of a compiled step: move each assigned variable that has no
     placement (an uncommitted array) to where the step's committed inputs are, replicated.
 
@@ -99,7 +101,8 @@ def settle_unplaced(assigned: Iterable[Variable], inputs: Iterable[object]) -> N
     committed; an uncommitted variable assigned by a step on a mesh would come back
     replicated over the mesh, and the second call, seeing a new input sharding, would
     compile again. Moving it first gives every call the same signature. A step whose
-    inputs are all uncommitted (one default device) changes nothing.
+    inputs (array arguments ``inputs``, variables read ``captured``) are all uncommitted
+    (one default device) changes nothing.
     """
     committed = [
         x.sharding
@@ -108,13 +111,16 @@ def settle_unplaced(assigned: Iterable[Variable], inputs: Iterable[object]) -> N
         and not isinstance(x, jax.core.Tracer)
         and getattr(x, "committed", False)
     ]
+    committed += [
+        ownership.peek(v).sharding
+        for v in captured
+        if getattr(ownership.peek(v), "committed", False)  # metadata only
+    ]
     if not committed:
         return
     home = replicated(max(committed, key=lambda sh: len(sh.device_set)))
     for v in assigned:
-        x = ownership.peek(v)
-        if isinstance(x, jax.Array) and not getattr(x, "committed", True):
-            v._write(jax.device_put(x, home))
+        ownership.commit(v, home)
 
 
 def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
@@ -132,7 +138,7 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
             "and the gradient functions."
         )
     targets = plan(variables_of(variables), sharding)
-    moved = [(v, jax.device_put(ownership.peek(v), sh)) for v, sh in targets]  # all, then write
+    moved = [(v, ownership.copy(v, sh)) for v, sh in targets]  # all, then write
     for v, value in moved:
         v._write(value)
 
