@@ -6,9 +6,10 @@ an exception can land at any line of Python code that changes variables, and one
 after a buffer was donated but before the new arrays were stored would leave variables on
 deleted buffers. Two tools keep every change of variables all-or-nothing:
 
-* **A region that runs no Python code cannot be interrupted**: the hot paths (a compiled
-  step's dispatch and swap-in, an eager ``assign_add``) do the dangerous part as one chain
-  of C calls (see ``_core.ownership``), at no cost.
+* **No handler runs inside one C call**: the hot paths (a compiled step's dispatch, an
+  eager ``assign_add``) dispatch a donating program and keep its results in one C call
+  (see ``_core.ownership``), and an exception after it first stores those results; this
+  costs a few hundred nanoseconds.
 * **Anything else is deferred**: inside ``with deferred():`` (main thread), every signal
   whose handler is Python code gets a stand-in that records it; when the outermost region
   ends, the real handlers are put back and called, in order, for what was recorded, so the

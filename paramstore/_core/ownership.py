@@ -35,8 +35,9 @@ Rules:
   held while user code is traced or compiled.
 
 Interrupts and run-time errors (issue 28). A ``KeyboardInterrupt`` or any exception a
-signal handler raises can land between any two bytecodes of the main thread, so every
-change here is ordered to be all-or-nothing (see ``_core.interrupts``):
+signal handler raises can land wherever the main thread checks for signals (a Python
+function's start, right after any call returns, a backward jump), so every change here
+is ordered to be all-or-nothing (see ``_core.interrupts``):
 
 * caches are invalidated (``version`` bumped) *before* anything is donated, so an
   interrupted call never leaves a cache that points at donated buffers;
@@ -44,10 +45,12 @@ change here is ordered to be all-or-nothing (see ``_core.interrupts``):
   (``box.extend(map(runner, ...))``: no bytecode runs between them, so no signal handler
   either); the results are then stored into the variables, and an exception that lands
   meanwhile stores them all (one C call) before it propagates. It costs ~0.3-0.5 us;
-* the cold paths, where JAX's dispatch itself runs Python code (a program's first call,
-  jit's cache miss, an eager update of a new kind), programs whose outputs may share a
-  variable's buffer and programs with host callbacks run under ``interrupts.deferred()``:
-  a signal is handled right after the call.
+* the cold paths, where JAX's dispatch itself runs Python code after the donation (a
+  program's first call, an eager update of a new kind of delta), programs whose outputs
+  may share a variable's buffer and programs with host callbacks run under
+  ``interrupts.deferred()``: a signal is handled right after the call. (A warm program
+  is assumed to stay in jit's C++ cache; after ``jax.clear_caches()`` its next call runs
+  jit's Python dispatch undeferred.)
 
 A compiled program's first call is also checked before its results are swapped in: it is
 waited for, and an error raised while it runs (out of memory, a failed host callback)
