@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from paramstore._collect import variables_of
 from paramstore._core import frames as _trace
+from paramstore._core.interrupts import deferred
 from paramstore._core.layout import Layout, LayoutMap, Partition, axis_rules
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import (
@@ -233,8 +234,10 @@ def initialize(variables: VariablesLike) -> list[Variable]:
         makes.append(make)
     _check_reads(joint, {id(v) for v in plain})
     placed = [i for i, v in enumerate(plain) if v.sharding is not None]
-    free = [i for i, v in enumerate(plain) if v.sharding is None]
-    values: dict[int, Any] = {}
+    free = [i for i, v in enumerate(plain) if v.sharding is None and not v._is_string]
+    # A string variable's value is host data (NumPy StringDType), which XLA cannot hold:
+    # its initial value is made on the host, not in the compiled program (issue 28).
+    values: dict[int, Any] = {i: makes[i]() for i, v in enumerate(plain) if v._is_string}
     for group, shardings in ((placed, [plain[i].sharding for i in placed]), (free, None)):
         if not group:
             continue
@@ -244,13 +247,16 @@ def initialize(variables: VariablesLike) -> list[Variable]:
             else jax.jit(lambda group=group: [makes[i]() for i in group])()
         )
         values.update(zip(group, got))
-    for i, v in enumerate(plain):
-        set_initial_value(v, values[i], owned=True)
+    with deferred():  # all or none, Ctrl-C included (held back to the end)
+        for i, v in enumerate(plain):
+            set_initial_value(v, values[i], owned=True)
     computed: dict[int, list[Any]] = {}  # each joint computation once (all an optimizer's slots)
     for v, j in joint:
         if id(j.compute) not in computed:
             computed[id(j.compute)] = j.compute()
-        set_initial_value(v, computed[id(j.compute)][j.index])
+    with deferred():
+        for v, j in joint:
+            set_initial_value(v, computed[id(j.compute)][j.index])
     return todo
 
 

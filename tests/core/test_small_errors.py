@@ -32,3 +32,15 @@ def test_a_layout_using_a_mesh_axis_twice_names_the_variable() -> None:
     match = "variable 'dup_w'.*mesh axis 'x' more than once"
     with pytest.raises(ValueError, match=match), ps.device(layout):
         ps.Variable(jnp.ones((2, 2)), name="dup_w")
+
+
+def test_initialize_gives_string_variables_their_initial_values() -> None:
+    with ps.abstract():
+        s = ps.Variable("hello", name="init_s")
+        t = ps.Variable(np.array(["a", "bc"]), name="init_t")
+        f = ps.Variable(jnp.ones(3), name="init_f")
+    assert sorted(v.name for v in ps.initialize([s, t, f])) == ["init_f", "init_s", "init_t"]
+    assert not any(v.is_abstract for v in (s, t, f))
+    assert s.numpy() == "hello"
+    assert list(t.numpy()) == ["a", "bc"]
+    np.testing.assert_array_equal(f.numpy(), np.ones(3))
