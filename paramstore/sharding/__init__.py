@@ -251,7 +251,7 @@ def initialize(variables: VariablesLike) -> list[Variable]:
         for i, v in enumerate(plain):
             set_initial_value(v, values[i], owned=True)
     computed: dict[int, list[Any]] = {}  # each joint computation once (all an optimizer's slots)
-    for v, j in joint:
+    for _, j in joint:
         if id(j.compute) not in computed:
             computed[id(j.compute)] = j.compute()
     with deferred():
