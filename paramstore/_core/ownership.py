@@ -21,9 +21,8 @@ Rules:
 * **Donation is decided here** (``step_inputs``): a given array is copied once
   (``private_copy``) and the copy is donated; an owned one is donated directly.
 * **Compiled programs are ownership's own objects.** The function machinery registers each
-  compiled program once (``program(...)``: its runner and the variables it moves) and gets
-  a ``Program`` back, which it only passes to ``call`` and ``drop``; the per-program cache
-  state inside is ownership's.
+  compiled program once as a ``Program`` (its runner and the variables it moves), which it
+  only passes to ``call`` and ``drop``; the per-program cache state inside is ownership's.
 * **The steady-path cache.** ``version`` is bumped by every write and every hand-out. A
   compiled program that finds it unchanged since its own last call (and is still ``cached``)
   knows that its inputs are exactly its last outputs and that nobody was handed them, so
@@ -104,8 +103,12 @@ _SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the
 
 
 class Program:
-    """One compiled program of the function machinery, as ownership knows it. Its fields
-    are set once by ``Ownership.program``; only ``ownership`` changes its cache state."""
+    """One compiled program of the function machinery, registered once: ``runner(donated
+    arrays, read-only arrays, leaves)`` returns ``(new values of assigned, outputs)``;
+    ``shared``: variables whose array an output may be after a call; ``donate``: the
+    runner donates its first argument; ``wait``: it has host callbacks (never donates;
+    waited for, lock not held). The function machinery only passes it to
+    ``ownership.call`` and ``ownership.drop``; only ``ownership`` changes its cache state."""
 
     __slots__ = (
         "runner", "donated", "readonly", "assigned", "shared", "donate", "wait", "steady",
@@ -127,12 +130,12 @@ class Program:
         self.readonly = tuple(readonly)  # read only
         self.assigned = tuple(assigned)  # in the order of the runner's new values
         self.shared = tuple(shared)  # whose array an output may be, after each call
-        self.donate = donate
+        self.donate = donate and not wait
         self.wait = wait  # host callbacks: no donation, waited for, lock not held
         self.steady = not shared  # no output shares a variable's buffer: steady path
         self.n_donated = len(self.donated)
         # The first call donates private copies on CPU (module docstring).
-        self.copy_first = donate and any(_on_cpu(v) for v in self.donated)
+        self.copy_first = self.donate and any(_on_cpu(v) for v in self.donated)
         self.warm = False  # the first call succeeded: jit's C++ dispatch has it
         self.fast = False  # warm, steady and no host callbacks: the steady path
         self.version = -1
@@ -274,22 +277,6 @@ class Ownership:
             return default if value is _NO_OVERRIDE else value
 
     # -- compiled programs
-    def program(
-        self,
-        runner: Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], Any]],
-        donated: Sequence[Owned],
-        readonly: Sequence[Owned],
-        assigned: Sequence[Owned],
-        shared: Sequence[Owned],
-        donate: bool,
-        wait: bool,
-    ) -> Program:
-        """Register a compiled program: ``runner(donated arrays, read-only arrays, leaves)``
-        returns ``(new values of assigned, outputs)``; ``shared``: variables whose array an
-        output may be after a call; ``donate``: the runner donates its first argument;
-        ``wait``: it has host callbacks (never donates; waited for, lock not held)."""
-        return Program(runner, donated, readonly, assigned, shared, donate and not wait, wait)
-
     def release_cached(self) -> None:
         """Drop the live cache (call under the lock, when variables get new arrays)."""
         holder = self.cached

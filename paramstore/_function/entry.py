@@ -51,9 +51,7 @@ class Entry:
         self.assigned = assigned
         # What ownership runs: the runner and the variables it moves (``shared``: whose
         # array an output is, or may be, after each call; recorded as handed out).
-        self.program: Program = ownership.program(
-            runner, donated, readonly, assigned, shared, donate, wait
-        )
+        self.program = Program(runner, donated, readonly, assigned, shared, donate, wait)
         self.touches = bool(donated or readonly or assigned)
         self.out_tree = out_tree
         self.one_out = out_tree is not None and out_tree.num_nodes == out_tree.num_leaves == 1
