@@ -29,6 +29,16 @@ host callbacks (``jax.debug.callback``, ``io_callback`` ...), which can raise wh
 runs, donates nothing and is waited for before its results are swapped in, so a run-time
 error leaves every variable as it was. ``donate=False`` turns donation off.
 
+Errors and interrupts (issue 28). Each call is all-or-nothing: an exception in the
+function, an error while the program runs, or a ``KeyboardInterrupt`` (Ctrl-C, any
+signal handler's exception) at any point leaves every variable readable and at its value
+from before the call or, all of them, from after it. A program's first call is waited for
+before its results are swapped in (on CPU it donates private copies, as XLA:CPU allocates
+a program's temporaries while it runs, after the donation), so an error that the program
+raises when it first runs (out of memory: ``RESOURCE_EXHAUSTED``) changes nothing; later
+calls run asynchronously like ``jax.jit``'s and need the memory the first call needed. A
+signal arriving during a call is handled right after it (see ``_core.ownership``).
+
 Threads. Each call gathers its inputs, dispatches and swaps its outputs under the state
 lock (``_core.context.STATE_LOCK``), so it is atomic with respect to the variables it touches;
 dispatch is asynchronous, so the lock is held for microseconds, not for the computation.
@@ -192,10 +202,7 @@ class Function(Generic[P, R]):
         if entry.ref_pos:
             leaves = [leaves[i] for i in entry.array_pos]
 
-        def spec(v: Variable) -> jax.ShapeDtypeStruct:
-            x = ownership.peek(v)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
+        spec = ownership.spec
         lowered: jax.stages.Lowered = entry.runner.lower(  # type: ignore[attr-defined]
             [spec(v) for v in entry.donated], [spec(v) for v in entry.readonly], leaves
         )
@@ -246,7 +253,7 @@ class Function(Generic[P, R]):
             return
         for fast_key in [k for k, e in self._fast.items() if e is entry]:
             del self._fast[fast_key]
-        ownership.drop(entry)
+        ownership.drop(entry.program)
 
     def _trace_signature(
         self, key: Any, leaves: list[Any], treedef: Any, static: tuple[Any, ...]

@@ -49,6 +49,7 @@ from paramstore._collect import Where, named, non_trainable, structured, trainab
 from paramstore._core import frames as _trace
 from paramstore._core.context import STATE_LOCK
 from paramstore._core.dtypes import shape_error
+from paramstore._core.interrupts import deferred
 from paramstore._core.store import State
 from paramstore.typing import PyTree, ValueLike, VariablesLike
 from paramstore.variable import Variable, VariableSlice
@@ -108,6 +109,12 @@ def _values_for(
             )
     out = [values[n] for n in names]
     for name, var, val in zip(names, variables, out):
+        if val is None:
+            raise TypeError(
+                f"ps.update: the value for variable '{var.name}' is None. Give an array of "
+                f"shape {var.shape} and dtype {var.dtype.name}, or leave the name out (with "
+                "partial=True)."
+            )
         if tuple(np.shape(val)) != var.shape:
             raise shape_error(name, var.shape, tuple(np.shape(val)))
     return names, variables, out
@@ -172,7 +179,7 @@ def update(
     names, found = named(vars_or_module)
     _, found, vals = _values_for(names, found, values, partial)
     checked = [v._coerce(x, "assign") for v, x in zip(found, vals)]
-    with STATE_LOCK:
+    with deferred(), STATE_LOCK:  # all or nothing, Ctrl-C included (held back to the end)
         for v, x in zip(found, checked):
             v._swap(x, owned=False)
 

@@ -63,7 +63,12 @@ def _camel_to_snake(name: str) -> str:
 
 
 def _check_name(name: Any) -> None:
-    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+    if name is not None and not isinstance(name, str):
+        raise TypeError(
+            f"A module name must be a str (a Python identifier like 'dense'), got "
+            f"{type(name).__name__} {name!r}."
+        )
+    if name is not None and not name.isidentifier():
         raise ValueError(
             f"{name!r} is not a valid module name: use a Python identifier like 'dense'."
         )
@@ -95,7 +100,7 @@ class Module(Node):
                 except TypeError:
                     bound = {}
                 name = bound.get("name", kw.get("name"))  # kw: a name passed via **kwargs
-                Module.__init__(self, name=name if isinstance(name, str) else None)
+                Module.__init__(self, name=name)  # a name that is not a str: TypeError
             with self.name_scope:
                 init(self, *args, **kw)
 

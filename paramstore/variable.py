@@ -107,8 +107,7 @@ class Variable(Writes):
     """A named, stateful array (see the module docstring for the contract)."""
 
     __slots__ = (
-        "_value",  # the array: read and written by paramstore._core.ownership only
-        "_given",  # id() of the array last handed out (ownership's record)
+        # (_value, _given, _override: ownership's fields, from _core.ownership.Owned)
         "_name",
         "_store",  # the VariableStore it is registered in (a failed trace forgets it there)
         "_trainable",
@@ -118,6 +117,7 @@ class Variable(Writes):
         "_is_key",
         "_arith",
         "_delta_aval",  # the aval of the last eager update's delta that passed every check
+        "_warm",  # the kinds of delta an eager update of this variable ran with (issue 28)
         "_partition",
         "_initializer",  # an abstract variable's initializer (paramstore._variable.abstract)
         "__weakref__",
@@ -193,6 +193,7 @@ class Variable(Writes):
         self._is_string = self._dtype == STRING
         self._arith = not (self._is_key or self._is_string or self._dtype.kind == "b")
         self._delta_aval = None
+        self._warm = set()
 
     def ref(self) -> Reference:
         """A hashable reference to this variable."""
@@ -205,10 +206,7 @@ class Variable(Writes):
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """An independent copy: same value, dtype, shape and trainable flag; a new unique
         name (this one's, numbered) in the current default store."""
-        with STATE_LOCK:  # copied before any step can donate it
-            value = ownership.peek(self)
-            if not self._is_string:
-                value = jnp.array(value, copy=True)
+        value = ownership.copy(self)  # under the lock: copied before any step can donate it
         new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
         memo[id(self)] = new
         return new
@@ -230,7 +228,7 @@ class _Detached(Variable):
     __slots__ = ()
 
     def value(self) -> jax.Array:
-        return ownership.peek(self)  # type: ignore[no-any-return]  # a pytree leaf, never donated
+        return ownership.leaf(self)  # type: ignore[no-any-return]  # a pytree leaf, never donated
 
     read_value = value
 

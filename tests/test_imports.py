@@ -425,7 +425,7 @@ def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
             continue
         rel = path.relative_to(PACKAGE_DIR.parent).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Attribute) and node.attr in ("_value", "_given"):
+            if isinstance(node, ast.Attribute) and node.attr in OWNED_FIELDS:
                 if isinstance(node.ctx, ast.Load) and node.attr == "_value":
                     reads.append(f"{rel}:{node.lineno}")
                 else:
@@ -435,11 +435,64 @@ def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
                 and getattr(node.func, "id", None) in ("setattr", "getattr")
                 and len(node.args) > 1
                 and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value in ("_value", "_given")
+                and node.args[1].value in OWNED_FIELDS
             ):
                 writes.append(f"{rel}:{node.lineno}")
     assert not writes, f"write variables through paramstore._core.ownership: {writes}"
     assert not reads, f"read variables through ownership.hand_out / peek: {reads}"
+
+
+OWNED_FIELDS = ("_value", "_given", "_override")  # _core.ownership.Owned's slots
+# What a caller of ``ownership.peek`` may read from its result: metadata, never the data.
+METADATA = {"sharding", "shape", "dtype", "ndim", "size", "committed", "aval", "weak_type"}
+
+
+def _metadata_only(call: ast.Call, parent: ast.AST | None) -> bool:
+    """Whether ``ownership.peek(...)`` (``call``) is used for metadata only: an attribute of
+    METADATA read from it, ``getattr(peek(v), "<metadata>", default)``, or an
+    ``isinstance`` test."""
+    if isinstance(parent, ast.Attribute):
+        return parent.attr in METADATA
+    if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name):
+        if parent.func.id == "isinstance" and parent.args[:1] == [call]:
+            return True
+        if parent.func.id == "getattr" and parent.args[:1] == [call]:
+            name = parent.args[1] if len(parent.args) > 1 else None
+            return isinstance(name, ast.Constant) and name.value in METADATA
+    return False
+
+
+def test_no_read_of_a_variables_array_outside_ownership():
+    """Every call of ``ownership.peek`` outside ``_core/ownership.py`` reads metadata only
+    (issue 23): a value read goes through ``hand_out``, ``copy`` or a write/step of
+    ownership, so no data is read outside the state lock (a step in another thread could
+    donate the buffer meanwhile)."""
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path == PACKAGE_DIR / "_core" / "ownership.py":
+            continue
+        rel = path.relative_to(PACKAGE_DIR.parent).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "peek"
+                and getattr(node.func.value, "id", None) == "ownership"
+                and not _metadata_only(node, parents.get(node))
+            ):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, (
+        f"ownership.peek used for more than metadata (use hand_out, copy or spec): {found}"
+    )
+
+
+def test_the_peek_check_sees_a_data_read():
+    tree = ast.parse("x = ownership.peek(v)\ny = ownership.peek(v).sharding\n")
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    assert [_metadata_only(c, parents[c]) for c in calls] == [False, True]
 
 
 # Variable's underscore members that other modules of the package may use (docs/architecture.md,

@@ -193,6 +193,13 @@ class LayoutMap(Layouts):
         missing = [a for e in entries for a in _axes(e) if a not in self._mesh.shape]
         if missing:
             raise _mesh_axes_error(what, missing, self._mesh, "Use an axis of the mesh")
+        axes = [a for e in entries for a in _axes(e)]
+        twice = sorted({a for a in axes if axes.count(a) > 1})
+        if twice:
+            raise ValueError(
+                f"{what} uses mesh axis {', '.join(map(repr, twice))} more than once; a mesh "
+                "axis can split one dimension only. Give each axis once."
+            )
         sharding = NamedSharding(self._mesh, PartitionSpec(*entries))
         check_fits(sharding, shape, f"variable '{name}'")
         return sharding

@@ -18,10 +18,13 @@ Rules:
   array; an array that came out of the variable's own computation (an eager update, a
   compiled step, a private copy) is owned (``_given`` no longer matches it), one that the
   caller passed in (``assign(x)`` of a ``jax.Array``) is recorded as given at once.
-* **Donation is decided here** (``donatable``, ``step_inputs``): a given array is copied
-  once (``private_copy``) and the copy is donated; an owned one is donated directly.
+* **Donation is decided here** (``step_inputs``): a given array is copied once
+  (``private_copy``) and the copy is donated; an owned one is donated directly.
+* **Compiled programs are ownership's own objects.** The function machinery registers each
+  compiled program once as a ``Program`` (its runner and the variables it moves), which it
+  only passes to ``call`` and ``drop``; the per-program cache state inside is ownership's.
 * **The steady-path cache.** ``version`` is bumped by every write and every hand-out. A
-  compiled step that finds it unchanged since its own last call (and is still ``cached``)
+  compiled program that finds it unchanged since its own last call (and is still ``cached``)
   knows that its inputs are exactly its last outputs and that nobody was handed them, so
   it skips the per-variable gather (602 variables: 41 of 58 us per call, measured
   2026-11-22). Every write releases the cache, so it never pins buffers that variables no
@@ -29,6 +32,33 @@ Rules:
 * ``lock`` (the state lock, ``_core.context.STATE_LOCK``) is held by every write, every
   hand-out and each compiled call's gather-dispatch-write, so each is atomic. It is never
   held while user code is traced or compiled.
+
+Interrupts and run-time errors (issue 28). A ``KeyboardInterrupt`` or any exception a
+signal handler raises can land wherever the main thread checks for signals (a Python
+function's start, right after any call returns, a backward jump), so every change here
+is ordered to be all-or-nothing (see ``_core.interrupts``):
+
+* caches are invalidated (``version`` bumped) *before* anything is donated, so an
+  interrupted call never leaves a cache that points at donated buffers;
+* where a buffer is donated, the dispatch and the keeping of its results are one C call
+  (``box.extend(map(runner, ...))``: no bytecode runs between them, so no signal handler
+  either); the results are then stored into the variables, and an exception that lands
+  meanwhile stores them all (one C call) before it propagates. It costs ~0.3-0.5 us;
+* the cold paths, where JAX's dispatch itself runs Python code after the donation (a
+  program's first call, an eager update of a new kind of delta), programs whose outputs
+  may share a variable's buffer and programs with host callbacks run under
+  ``interrupts.deferred()``: a signal is handled right after the call. (A warm program
+  is assumed to stay in jit's C++ cache; after ``jax.clear_caches()`` its next call runs
+  jit's Python dispatch undeferred.)
+
+A compiled program's first call is also checked before its results are swapped in: it is
+waited for, and an error raised while it runs (out of memory, a failed host callback)
+leaves every variable as it was. On the CPU backend XLA allocates a program's temporaries
+while it runs, after its donated inputs are consumed, so that first call donates private
+copies. On GPU/TPU XLA allocates a program's buffers when it launches it, and an
+allocation failure is raised by the call before any donation is committed. Later calls
+are not waited for (that would serialise host and device: 2x per step on the
+dispatch-bound benchmark); a program that ran once needs the same memory again.
 
 An id may be reused after its array died: a fresh array that happens to get the id of an
 old hand-out only costs one extra copy (the safe direction); a handed-out array that is
@@ -38,66 +68,108 @@ alive keeps its id, so a live hand-out is never mistaken for an owned buffer.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from typing import Any
 
 import jax
 
 from paramstore._core.context import STATE_LOCK
+from paramstore._core.interrupts import deferred
 
-__all__ = ["Ownership", "ownership", "Holder", "Step"]
+__all__ = ["Ownership", "ownership", "Owned", "Program"]
 
 _VALUE = operator.attrgetter("_value")
 _GIVEN = operator.attrgetter("_given")
+_EXHAUST: Callable[[Iterable[Any]], None] = deque(
+    maxlen=0
+).extend  # consumes an iterator in C: no bytecode between items
+_NO_OVERRIDE: Any = object()
 
 
-class Holder(Protocol):
-    """What ``ownership`` knows of a variable: its two slots (``paramstore.Variable``)."""
+class Owned:
+    """The fields of a variable that only ``ownership`` reads and writes (a base class of
+    ``paramstore.Variable``): the array, the id of the array last handed out, and a value
+    ``set_initial_value`` gave while a trace still computes the initial value."""
 
+    __slots__ = ("_value", "_given", "_override")
     _value: Any
     _given: int
+    _override: Any
 
 
-class Step(Protocol):
-    """What ``ownership`` needs of one compiled program (``_function.entry.Entry``)."""
+_SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the slot's setter
 
-    runner: Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], Any]]
-    donated: list[Any]  # variables read and assigned, their old buffers donated
-    readonly: list[Any]  # variables read only
-    assigned: list[Any]  # variables assigned, in the order of the runner's new values
-    shared: list[Any]  # variables whose array an output may be, after each call
-    donate: bool
-    steady: bool  # no output may share a variable's buffer: the steady path applies
-    n_donated: int
-    version: int
-    last: tuple[Any, Any]
+
+class Program:
+    """One compiled program of the function machinery, registered once: ``runner(donated
+    arrays, read-only arrays, leaves)`` returns ``(new values of assigned, outputs)``;
+    ``shared``: variables whose array an output may be after a call; ``donate``: the
+    runner donates its first argument; ``wait``: it has host callbacks (never donates;
+    waited for, lock not held). The function machinery only passes it to
+    ``ownership.call`` and ``ownership.drop``; only ``ownership`` changes its cache state."""
+
+    __slots__ = (
+        "runner", "donated", "readonly", "assigned", "shared", "donate", "wait", "steady",
+        "n_donated", "copy_first", "warm", "fast", "version", "last",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        runner: Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], Any]],
+        donated: Sequence[Owned],
+        readonly: Sequence[Owned],
+        assigned: Sequence[Owned],
+        shared: Sequence[Owned],
+        donate: bool,
+        wait: bool,
+    ) -> None:
+        self.runner = runner
+        self.donated = tuple(donated)  # read and assigned, their old buffers donated
+        self.readonly = tuple(readonly)  # read only
+        self.assigned = tuple(assigned)  # in the order of the runner's new values
+        self.shared = tuple(shared)  # whose array an output may be, after each call
+        self.donate = donate and not wait
+        self.wait = wait  # host callbacks: no donation, waited for, lock not held
+        self.steady = not shared  # no output shares a variable's buffer: steady path
+        self.n_donated = len(self.donated)
+        # The first call donates private copies on CPU (module docstring).
+        self.copy_first = self.donate and any(_on_cpu(v) for v in self.donated)
+        self.warm = False  # the first call succeeded: jit's C++ dispatch has it
+        self.fast = False  # warm, steady and no host callbacks: the steady path
+        self.version = -1
+        self.last: tuple[Any, Any] = ((), ())
+
+
+def _on_cpu(var: Owned) -> bool:
+    sharding = getattr(var._value, "sharding", None)
+    return sharding is None or any(d.platform == "cpu" for d in sharding.device_set)
 
 
 class Ownership:
     """The state behind every variable's array (see the module docstring)."""
 
-    __slots__ = ("lock", "version", "cached", "initial_overrides")
+    __slots__ = ("lock", "version", "cached")
 
     def __init__(self) -> None:
         self.lock = STATE_LOCK
         self.version = 0
-        self.cached: Any = None  # the Step whose `last` inputs are live, or None
-        # Values given by set_initial_value to variables whose initial value a trace is
-        # still computing, by id(variable): they replace it when the trace completes.
-        self.initial_overrides: dict[int, Any] = {}
+        self.cached: Program | None = None  # the program whose `last` inputs are live
 
     # -- reading
-    def adopt(self, var: Holder, value: Any, owned: bool) -> None:
+    def adopt(self, var: Owned, value: Any, owned: bool) -> None:
         """Give a new variable its first array (``owned``: nobody else holds it)."""
-        var._value = value
+        var._override = _NO_OVERRIDE
         var._given = 0 if owned else id(value)
+        var._value = value
 
-    def peek(self, var: Holder) -> Any:
+    def peek(self, var: Owned) -> Any:
         """The array, for its metadata only (shape, sharding, a placeholder's type): the
         caller must not keep it or give it away (use ``hand_out`` for that)."""
         return var._value
 
-    def hand_out(self, var: Holder) -> Any:
+    def hand_out(self, var: Owned) -> Any:
         """The array, given to code outside paramstore: never donated from now on."""
         with self.lock:
             value = var._value
@@ -105,65 +177,106 @@ class Ownership:
             self.version += 1
             return value
 
-    def donatable(self, var: Holder) -> bool:
-        """Whether the variable's current array may be donated (nobody was handed it)."""
-        return var._given != id(var._value)
+    def leaf(self, var: Owned) -> Any:
+        """A detached variable's value (a pytree leaf of a transformation: a tracer or the
+        array the transformation gave, never a live variable's buffer)."""
+        return var._value
+
+    def copy(self, var: Owned, sharding: Any = None) -> Any:
+        """A private copy of the array (its own buffer; on ``sharding`` if given), taken
+        under the lock so that no step donates it meanwhile; a host value (a string
+        variable's) as it is."""
+        with self.lock:
+            value = var._value
+            if not isinstance(value, jax.Array):
+                return value
+            if sharding is None:
+                return private_copy(value)
+            return jax.device_put(value, sharding, may_alias=False)
+
+    def spec(self, var: Owned) -> jax.ShapeDtypeStruct:
+        """The array's shape, dtype and sharding (no data)."""
+        x = var._value
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+    def commit(self, var: Owned, sharding: Any) -> None:
+        """Move an uncommitted array (no placement yet) onto ``sharding``; else nothing."""
+        with self.lock:
+            x = var._value
+            if isinstance(x, jax.Array) and not getattr(x, "committed", True):
+                self.write(var, jax.device_put(x, sharding, may_alias=False), owned=True)
 
     # -- writing
-    def write(self, var: Holder, new: Any, owned: bool = False) -> None:
+    def write(self, var: Owned, new: Any, owned: bool = False) -> None:
         """The one write path of a variable's real array (callers checked dtype, shape and
         placement). ``owned``: nobody outside this variable holds ``new``'s buffer."""
         with self.lock:
-            var._value = new
-            if not owned:
-                var._given = id(new)
             self.version += 1
             if self.cached is not None:
                 self.release_cached()
+            if owned:
+                var._value = new  # one store: atomic
+            else:  # both fields in one C call: an interrupt sees both or neither
+                _EXHAUST(map(setattr, (var, var), ("_given", "_value"), (id(new), new)))
 
     def write_many(
-        self, variables: Sequence[Holder], values: Sequence[Any], shared: Sequence[Holder] = ()
+        self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
     ) -> None:
-        """``write`` of owned values for many variables (a compiled step's outputs), then
-        ``shared`` recorded as given (their arrays are also an output). Hold the lock."""
-        # A plain loop: STORE_ATTR on a slot is cached; 26 variables take 0.89 us, against
-        # 1.68 us for deque(map(setattr, ...)) (measured here, 2026-11-22).
-        for var, value in zip(variables, values):
-            var._value = value
-        for var in shared:
-            var._given = id(var._value)
-        self.version += 1
-        self.release_cached()
+        """``write`` of owned values for many variables (a compiled step's outputs, a
+        restore), then ``shared`` recorded as given (their arrays are also an output).
+        All-or-nothing against interrupts: the values are stored in one C call."""
+        with self.lock:
+            self.version += 1
+            self.release_cached()
+            _EXHAUST(map(_SET_VALUE, variables, values))
+            if shared:
+                ids = map(id, map(_VALUE, shared))
+                _EXHAUST(map(setattr, shared, repeat("_given"), ids))
 
     def update(
-        self, var: Holder, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
+        self,
+        var: Owned,
+        fresh: Callable[..., Any],
+        donating: Callable[..., Any],
+        d: Any,
+        warm: bool = True,
     ) -> None:
-        """An eager ``op(value, d)`` written back: donated when nobody was handed the value."""
-        # acquire/release rather than `with`: 0.15 us less per eager update (2026-11-23).
-        lock = self.lock
-        lock.acquire()
-        try:
+        """An eager ``op(value, d)`` written back: donated when nobody was handed the value.
+        ``warm``: this kind of update (avals of the value and ``d``) ran before, so jit's C++
+        dispatch runs it (no Python code after the donation); else it is deferred."""
+        if not warm:
+            with deferred():
+                return self.update(var, fresh, donating, d)
+        with self.lock:
             x = var._value
-            new = donating(x, d) if var._given != id(x) else fresh(x, d)
-            del x
-            var._value = new  # our own update's result: owned
             self.version += 1
             if self.cached is not None:
                 self.release_cached()
-        finally:
-            lock.release()
+            if var._given != id(x):  # donated: see the module docstring, "Interrupts"
+                box: list[Any] = []
+                try:
+                    box.extend(map(donating, (x,), (d,)))  # dispatch and keep: one C call
+                    var._value = box[0]
+                except BaseException:
+                    if box:  # interrupted after the donation: the result is stored anyway
+                        var._value = box[0]
+                    raise
+            else:
+                var._value = fresh(x, d)  # our own update's result: owned
 
-    def initial(self, var: Holder, value: Any) -> None:
+    def initial(self, var: Owned, value: Any) -> None:
         """``value`` becomes ``var``'s initial value when its trace completes."""
         with self.lock:
-            self.initial_overrides[id(var)] = value
+            var._override = value
 
-    def take_initial(self, var: Holder, default: Any) -> Any:
+    def take_initial(self, var: Owned, default: Any) -> Any:
         """The value ``initial`` recorded for ``var`` (once), else ``default``."""
         with self.lock:
-            return self.initial_overrides.pop(id(var), default)
+            value = var._override
+            var._override = _NO_OVERRIDE
+            return default if value is _NO_OVERRIDE else value
 
-    # -- compiled steps
+    # -- compiled programs
     def release_cached(self) -> None:
         """Drop the live cache (call under the lock, when variables get new arrays)."""
         holder = self.cached
@@ -171,55 +284,96 @@ class Ownership:
             self.cached = None
             holder.last = ((), ())
 
-    def drop(self, step: Step) -> None:
-        """Forget ``step`` (its function dropped it): its cached inputs are released."""
+    def drop(self, program: Program) -> None:
+        """Forget ``program`` (its function dropped it): its cached inputs are released."""
         with self.lock:
-            if self.cached is step:
+            if self.cached is program:
                 self.release_cached()
 
-    def step_inputs(self, step: Step) -> tuple[list[Any], list[Any]]:
-        """The donated and read-only inputs of ``step`` (hold the lock): a given donated
+    def step_inputs(self, p: Program) -> tuple[list[Any], list[Any]]:
+        """The donated and read-only inputs of ``p`` (hold the lock): a given donated
         array is replaced by a private copy."""
-        if self.version == step.version and self.cached is step:
-            return step.last  # type: ignore[no-any-return]
+        if self.version == p.version and self.cached is p:
+            return p.last
         self.release_cached()
-        donated = step.donated
+        donated = p.donated
         don = list(map(_VALUE, donated))
-        if step.donate:  # C-level maps: 602 variables in ~20 us
+        if p.donate:  # C-level maps: 602 variables in ~20 us
             given = list(map(operator.eq, map(_GIVEN, donated), map(id, don)))
             if any(given):
                 don = [private_copy(x) if g else x for x, g in zip(don, given)]
-        return don, list(map(_VALUE, step.readonly))
+        return don, list(map(_VALUE, p.readonly))
 
-    def call(self, step: Step, leaves: list[Any]) -> Any:
-        """Run ``step`` on ``leaves`` atomically: gather, dispatch, write; its outputs."""
+    def call(self, p: Program, leaves: list[Any]) -> Any:
+        """Run ``p`` on ``leaves`` atomically: gather, dispatch, write; its outputs."""
+        if not p.fast:
+            return self._call_cold(p, leaves)
         with self.lock:
-            if self.version == step.version and self.cached is step:
-                don, ro = step.last  # the steady path, inlined: ~0.1 us a call
+            if self.version == p.version and self.cached is p:
+                don, ro = p.last  # the steady path, inlined: ~0.1 us a call
             else:
-                don, ro = self.step_inputs(step)
-            new, out = step.runner(don, ro, leaves)
-            if new or step.shared:
-                self.write_many(step.assigned, new, step.shared)
-            if step.steady:
-                self.cached = step
-                step.last = (new[: step.n_donated], ro)
-                step.version = self.version
+                don, ro = self.step_inputs(p)
+            self.version += 1  # before the donation: no cache outlives the inputs
+            # Dispatch (jit's C++ path: warm) and keep the results in one C call, then
+            # store them; an interrupt meanwhile stores them all before it propagates.
+            box: list[Any] = []
+            try:
+                box.extend(map(p.runner, (don,), (ro,), (leaves,)))
+                new, out = box[0]
+                for var, value in zip(p.assigned, new):
+                    var._value = value
+            except BaseException:
+                if box:
+                    _EXHAUST(map(_SET_VALUE, p.assigned, box[0][0]))
+                raise
+            self.cached = p
+            p.last = (new[: p.n_donated], ro)
+            p.version = self.version
         return out
 
-    def call_and_wait(self, step: Step, leaves: list[Any]) -> Any:
-        """Run ``step`` (a program that can raise on the host: no donation) and write its
+    def _call_cold(self, p: Program, leaves: list[Any]) -> Any:
+        """``call`` of a program's first call, of one whose outputs may share a variable's
+        buffer, or of one with host callbacks: interrupts deferred; the first call (and
+        every call with host callbacks) waited for before anything is written."""
+        with deferred():
+            if p.wait:
+                return self._call_and_wait(p, leaves)
+            with self.lock:
+                first = not p.warm
+                if first and p.copy_first:
+                    self.release_cached()
+                    don = [private_copy(x) for x in map(_VALUE, p.donated)]
+                    ro = list(map(_VALUE, p.readonly))
+                else:
+                    don, ro = self.step_inputs(p)
+                self.version += 1
+                self.release_cached()
+                new, out = p.runner(don, ro, leaves)
+                if first:  # an error while it runs: raised here, nothing written
+                    jax.block_until_ready((new, out))  # type: ignore[no-untyped-call]
+                self.write_many(p.assigned, new, p.shared)
+                if p.steady:
+                    self.cached = p
+                    p.last = (new[: p.n_donated], ro)
+                    p.version = self.version
+                p.warm = True
+                p.fast = p.steady
+        return out
+
+    def _call_and_wait(self, p: Program, leaves: list[Any]) -> Any:
+        """Run ``p`` (a program that can raise on the host: no donation) and write its
         results only after it finished; the lock is not held while it runs (a host
         callback may read a variable), so the inputs are recorded as given first."""
         with self.lock:
-            don = [self.hand_out(v) for v in step.donated]
-            ro = [self.hand_out(v) for v in step.readonly]
-        new, out = jax.block_until_ready(step.runner(don, ro, leaves))  # type: ignore[no-untyped-call]
+            don = [self.hand_out(v) for v in p.donated]
+            ro = [self.hand_out(v) for v in p.readonly]
+        new, out = jax.block_until_ready(p.runner(don, ro, leaves))  # type: ignore[no-untyped-call]
         with self.lock:
-            if new or step.shared:
-                self.write_many(step.assigned, new, step.shared)
+            if new or p.shared:
+                self.write_many(p.assigned, new, p.shared)
             else:
                 self.version += 1
+            p.warm = True
         return out
 
     @staticmethod

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from paramstore._core.jax_api import EVAL, current_trace, staging
-from paramstore._core.ownership import ownership
+from paramstore._core.ownership import Program, ownership
 from paramstore.variable import Variable
 
 __all__ = ["Entry"]
@@ -49,23 +49,15 @@ class Entry:
         self.donated = donated
         self.readonly = readonly
         self.assigned = assigned
-        # Variables whose array an output is (or may be) after each call: handed out.
-        self.shared = shared
+        # What ownership runs: the runner and the variables it moves (``shared``: whose
+        # array an output is, or may be, after each call; recorded as handed out).
+        self.program = Program(runner, donated, readonly, assigned, shared, donate, wait)
         self.touches = bool(donated or readonly or assigned)
         self.out_tree = out_tree
         self.one_out = out_tree is not None and out_tree.num_nodes == out_tree.num_leaves == 1
         self.ref_pos = ref_pos
         self.refs = [weakref.ref(r) for r in refs]
         self.array_pos = [i for i in range(n_leaves) if i not in set(ref_pos)]
-        self.donate = donate
-        self.wait = wait
-        self.n_donated = len(donated)
-        # The steady-path cache (see _ownership): the state version after this entry's
-        # last call, and that call's outputs for the donated variables and its read-only
-        # inputs, which are exactly the next call's while the version is unchanged.
-        self.steady = not shared
-        self.version = -1
-        self.last: tuple[Any, Any] = ((), ())
         self.tick = next(_CLOCK)  # when last called, for least-recently-used eviction
 
     def __call__(self, leaves: list[Any]) -> Any:
@@ -75,10 +67,7 @@ class Entry:
             self._transformed()
         if self.ref_pos:  # Variables/Modules passed as arguments are read, not passed
             leaves = [leaves[i] for i in self.array_pos]
-        if self.wait:
-            out = ownership.call_and_wait(self, leaves)
-        else:
-            out = ownership.call(self, leaves)
+        out = ownership.call(self.program, leaves)
         return out[0] if self.one_out else jax.tree_util.tree_unflatten(self.out_tree, out)
 
     def _transformed(self) -> None:

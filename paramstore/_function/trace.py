@@ -98,10 +98,7 @@ def trace_signature(
         _initialize(closed, frame.created, result.get("error"))
     if "error" in result:
         raise result["error"]
-    _sharding.settle_unplaced(
-        result["assigned"],
-        [*(ownership.peek(v) for v, _ in frame.captured.values()), *arrays],
-    )
+    _sharding.settle_unplaced(result["assigned"], arrays, [v for v, _ in frame.captured.values()])
     return _lift(
         name,
         closed,

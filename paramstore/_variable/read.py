@@ -19,19 +19,17 @@ from jax.sharding import Sharding
 from paramstore._core import frames as _trace
 from paramstore._core import html as _html
 from paramstore._core.jax_api import EVAL, Tracer, current_trace
-from paramstore._core.ownership import ownership
+from paramstore._core.ownership import Owned, ownership
 from paramstore._variable.ops import ArrayOps
 
 __all__ = ["Reads"]
 
 
-class Reads(ArrayOps):
+class Reads(ArrayOps, Owned):
     """The reading half of ``ps.Variable`` (see the module docstring)."""
 
     __slots__ = ()
-    # Variable's slots (set by Variable.__init__; _value/_given: ownership's).
-    _value: Any
-    _given: int
+    # Variable's slots (set by Variable.__init__; _value/_given/_override: Owned's).
     _name: str
     _trainable: bool
     _dtype: np.dtype[Any]
@@ -40,6 +38,7 @@ class Reads(ArrayOps):
     _is_key: bool
     _arith: bool
     _delta_aval: Any
+    _warm: set[Any]
     _partition: tuple[Any, ...] | None
 
     def value(self) -> jax.Array:

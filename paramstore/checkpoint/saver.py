@@ -20,6 +20,7 @@ from paramstore import sharding as _sharding
 from paramstore._collect import named
 from paramstore._core import frames as _trace
 from paramstore._core.context import STATE_LOCK
+from paramstore._core.interrupts import deferred
 from paramstore._core.ownership import ownership
 from paramstore.checkpoint.format import (
     CheckpointError,
@@ -238,8 +239,9 @@ def assign_all(
 
     All the writes happen under ``STATE_LOCK``, the lock a ``ps.function`` step and every
     eager write hold: a step (or an atomic read of several variables) sees either none of
-    the restored values or all of them, and a step's outputs cannot land between two."""
-    with STATE_LOCK:
+    the restored values or all of them, and a step's outputs cannot land between two.
+    A signal's exception (Ctrl-C) is held back until all are written (issue 28)."""
+    with deferred(), STATE_LOCK:
         _assign_all(present, values, moves)
 
 

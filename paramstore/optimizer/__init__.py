@@ -78,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from paramstore._core.interrupts import deferred
 from paramstore._core.placement import unplaced
 from paramstore._traverse import Key, Relative
 from paramstore._variable import abstract as _abstract
@@ -368,9 +369,10 @@ class Optimizer(Module):
                     f"{None if x is None else tuple(jnp.shape(x))}, not {var.shape}."
                 )
             writes.append((var, x))
-        for var, x in writes:
-            var.assign(x, read_value=False)
-        self._iterations.assign_add(1, read_value=False)
+        with deferred():  # all or nothing, Ctrl-C included (held back to the end)
+            for var, x in writes:
+                var.assign(x, read_value=False)
+            self._iterations.assign_add(1, read_value=False)
 
     def __repr__(self) -> str:
         return (

@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from paramstore._collect import variables_of
 from paramstore._core import frames as _trace
+from paramstore._core.interrupts import deferred
 from paramstore._core.layout import Layout, LayoutMap, Partition, axis_rules
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import (
@@ -91,7 +92,9 @@ __all__ = [
 ]
 
 
-def settle_unplaced(assigned: Iterable[Variable], inputs: Iterable[object]) -> None:
+def settle_unplaced(
+    assigned: Iterable[Variable], inputs: Iterable[object], captured: Iterable[Variable] = ()
+) -> None:
     """Before the first call of a compiled step: move each assigned variable that has no
     placement (an uncommitted array) to where the step's committed inputs are, replicated.
 
@@ -99,7 +102,8 @@ def settle_unplaced(assigned: Iterable[Variable], inputs: Iterable[object]) -> N
     committed; an uncommitted variable assigned by a step on a mesh would come back
     replicated over the mesh, and the second call, seeing a new input sharding, would
     compile again. Moving it first gives every call the same signature. A step whose
-    inputs are all uncommitted (one default device) changes nothing.
+    inputs (array arguments ``inputs``, variables read ``captured``) are all uncommitted
+    (one default device) changes nothing.
     """
     committed = [
         x.sharding
@@ -108,13 +112,16 @@ def settle_unplaced(assigned: Iterable[Variable], inputs: Iterable[object]) -> N
         and not isinstance(x, jax.core.Tracer)
         and getattr(x, "committed", False)
     ]
+    committed += [
+        ownership.peek(v).sharding
+        for v in captured
+        if getattr(ownership.peek(v), "committed", False)  # metadata only
+    ]
     if not committed:
         return
     home = replicated(max(committed, key=lambda sh: len(sh.device_set)))
     for v in assigned:
-        x = ownership.peek(v)
-        if isinstance(x, jax.Array) and not getattr(x, "committed", True):
-            v._write(jax.device_put(x, home))
+        ownership.commit(v, home)
 
 
 def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
@@ -135,15 +142,13 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
     targets = plan(variables_of(variables), sharding)
     if not targets:
         return
-    moving = [v for v, _ in targets]
     # As a restore does (checkpoint.saver.assign_all): under the state lock, so a compiled
     # step in another thread runs wholly before or after the move (never between two
-    # variables, never losing an update); each array is read through ``hand_out`` (never
-    # donated while it is copied) and all are written at once, recorded as given (a move
-    # may alias the old buffer). ``device_put`` only dispatches the copies.
+    # variables, never losing an update); each array is copied by ownership (never donated
+    # while it is copied: the copy is private) and all are written at once.
     with ownership.lock:
-        moved = [jax.device_put(ownership.hand_out(v), sh) for v, sh in targets]
-        ownership.write_many(moving, moved, shared=moving)
+        moved = [ownership.copy(v, sh) for v, sh in targets]
+        ownership.write_many([v for v, _ in targets], moved)
 
 
 def plan(variables: list[Variable], sharding: ShardingTargets) -> list[tuple[Variable, Sharding]]:
@@ -236,8 +241,10 @@ def initialize(variables: VariablesLike) -> list[Variable]:
         makes.append(make)
     _check_reads(joint, {id(v) for v in plain})
     placed = [i for i, v in enumerate(plain) if v.sharding is not None]
-    free = [i for i, v in enumerate(plain) if v.sharding is None]
-    values: dict[int, Any] = {}
+    free = [i for i, v in enumerate(plain) if v.sharding is None and not v._is_string]
+    # A string variable's value is host data (NumPy StringDType), which XLA cannot hold:
+    # its initial value is made on the host, not in the compiled program (issue 28).
+    values: dict[int, Any] = {i: makes[i]() for i, v in enumerate(plain) if v._is_string}
     for group, shardings in ((placed, [plain[i].sharding for i in placed]), (free, None)):
         if not group:
             continue
@@ -247,13 +254,16 @@ def initialize(variables: VariablesLike) -> list[Variable]:
             else jax.jit(lambda group=group: [makes[i]() for i in group])()
         )
         values.update(zip(group, got))
-    for i, v in enumerate(plain):
-        set_initial_value(v, values[i], owned=True)
+    with deferred():  # all or none, Ctrl-C included (held back to the end)
+        for i, v in enumerate(plain):
+            set_initial_value(v, values[i], owned=True)
     computed: dict[int, list[Any]] = {}  # each joint computation once (all an optimizer's slots)
-    for v, j in joint:
+    for _, j in joint:
         if id(j.compute) not in computed:
             computed[id(j.compute)] = j.compute()
-        set_initial_value(v, computed[id(j.compute)][j.index])
+    with deferred():
+        for v, j in joint:
+            set_initial_value(v, computed[id(j.compute)][j.index])
     return todo
 
 
