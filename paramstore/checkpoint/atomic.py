@@ -107,7 +107,7 @@ def remove_stale_temps(directory: str) -> list[str]:
     no longer uses; and the ``ckpt-<step>.orbax-checkpoint-tmp-<time>`` directories that
     earlier paramstore versions let Orbax write (no pid in the name), once nothing in them
     changed for an hour."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):

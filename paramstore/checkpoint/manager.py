@@ -111,12 +111,6 @@ def _hook_exit() -> None:
     _HOOKED = True
 
 
-def shutting_down() -> bool:
-    """Whether the interpreter is past running background work (exiting: the threads'
-    exit hooks ran, ``concurrent.futures`` takes no new work)."""
-    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
-
-
 def _check_arguments(max_to_keep: Any, async_save: Any) -> None:
     if max_to_keep is not None:
         if isinstance(max_to_keep, (bool, np.bool_)) or not isinstance(
@@ -229,7 +223,7 @@ class CheckpointManager:
             saver = self.saver
             if jax.process_index() == 0:
                 remove_stale_temps(self.directory)  # a failed or killed save's leftovers
-            background = self.async_save and not shutting_down()
+            background = self.async_save and not _orbax.shutting_down()
             if saver._writes_sharded():
                 values = saver._device_values()
                 if not background:

@@ -118,6 +118,7 @@ class Reopening:
         self._allow_unverified = allow_unverified
         self._stack = contextlib.ExitStack()
         self._reader: Reader
+        self.path = self.description = ""
         self._resolved = ""
         self._identity: tuple[int, int] | None = None
         self._open()
@@ -152,18 +153,11 @@ class Reopening:
                 raise
             self._stack, self._reader = stack, reader
             self._resolved, self._identity = resolved, identity
+            self.path, self.description = reader.path, reader.description
             return
 
     def _changed(self) -> bool:
         return self._identity is not None and _identity(self._resolved) != self._identity
-
-    @property
-    def path(self) -> str:
-        return self._reader.path
-
-    @property
-    def description(self) -> str:
-        return self._reader.description
 
     @property
     def entries(self) -> Mapping[str, EntryInfo]:

@@ -35,6 +35,7 @@ import contextlib
 import importlib
 import math
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -272,6 +273,12 @@ def failed(error: BaseException, path: str) -> BaseException:
     return error
 
 
+def shutting_down() -> bool:
+    """Whether the interpreter is past running background work (exiting: the threads'
+    exit hooks ran, ``concurrent.futures`` takes no new work)."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
+
+
 def staging_path(path: str) -> str:
     """The staging directory of a save to ``path``: a temporary name beside it
     (``checkpoint.atomic.temp_path``), the same on every process (process 0's)."""
@@ -322,6 +329,13 @@ def save(path: str, values: Mapping[str, Any], checkpointer: AsyncWriter | None 
     naming ``path``."""
     ocp = orbax()
     path = os.path.abspath(path)
+    if shutting_down():
+        raise RuntimeError(
+            f"Cannot save the sharded checkpoint '{path}' at interpreter exit: Orbax writes "
+            "with threads that Python has already shut down. Save before the program ends "
+            "(a CheckpointManager's pending async saves are finished at exit); the previous "
+            "checkpoint at that path, if any, is unchanged."
+        )
     parent = os.path.dirname(path)
     if parent and jax.process_index() == 0:
         try:

@@ -26,7 +26,7 @@ _UNSIGNED = {8: jnp.uint8, 4: jnp.uint4, 2: jnp.uint2}
 
 def needs_packing(dtype: np.dtype) -> bool:
     """Whether ``dtype`` is stored as bytes: a one-byte ``ml_dtypes`` type."""
-    return dtype.itemsize == 1 and dtype.kind == "V" and hasattr(ml_dtypes, dtype.name)
+    return dtype.itemsize == 1 and dtype.kind not in "biu" and hasattr(ml_dtypes, dtype.name)
 
 
 def _bits(dtype: np.dtype) -> int:
