@@ -114,7 +114,7 @@ class Reopening:
     """
 
     def __init__(self, given: str, allow_unverified: bool) -> None:
-        self._given = given
+        self._asked = given
         self._allow_unverified = allow_unverified
         self._stack = contextlib.ExitStack()
         self._reader: Reader
@@ -127,10 +127,10 @@ class Reopening:
         for attempt in range(_ATTEMPTS):
             stack = contextlib.ExitStack()
             try:
-                if not os.path.isfile(self._given):
-                    stack.enter_context(path_lock(self._given))
-                resolved = _resolve(self._given)
-                if resolved != self._given:
+                if not os.path.isfile(self._asked):
+                    stack.enter_context(path_lock(self._asked))
+                resolved = _resolve(self._asked)
+                if resolved != self._asked:
                     stack.close()  # never two path locks at once (they are striped)
                     if os.path.isdir(resolved):
                         stack.enter_context(path_lock(resolved))
@@ -142,7 +142,7 @@ class Reopening:
                     # no file: it has no identity; a manager directory's latest may vanish
                     # between its resolution and its identity)
                     now = _identity(resolved)
-                    moved = now != identity if identity else resolved != self._given
+                    moved = now != identity if identity else resolved != self._asked
                     if attempt + 1 < _ATTEMPTS and moved:
                         stack.close()
                         continue
@@ -180,7 +180,7 @@ class Reopening:
                 old, new = before.get(name), self._reader.entries.get(name)
                 if old is None or new is None or (old.shape, old.dtype) != (new.shape, new.dtype):
                     raise CheckpointError(
-                        f"Checkpoint '{self._given}' was replaced while it was read, and "
+                        f"Checkpoint '{self._asked}' was replaced while it was read, and "
                         f"'{name}' differs in the new one ({self._reader.path}). Restore again."
                     )
         raise AssertionError("unreachable")  # pragma: no cover
