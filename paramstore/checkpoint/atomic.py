@@ -217,7 +217,7 @@ def install_dir(staging: str, path: str) -> None:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             raise
         if _exchange(staging, path):
-            shutil.rmtree(staging, ignore_errors=True)  # the old checkpoint
+            remove_path(staging)  # the old checkpoint (a directory, or a file)
         else:
             with live_temp(path) as aside:
                 os.rename(path, aside)
