@@ -19,6 +19,7 @@ import numpy as np
 from paramstore.checkpoint.atomic import remove_stale_temps, retire, set_newest
 from paramstore.checkpoint.format import PathLike
 from paramstore.checkpoint.formats.orbax import format as _orbax
+from paramstore.checkpoint.formats.orbax.staging import shutting_down
 from paramstore.checkpoint.formats.safetensors.file import write_arrays
 from paramstore.checkpoint.io import path_lock
 from paramstore.checkpoint.readers import scan
@@ -223,7 +224,7 @@ class CheckpointManager:
             saver = self.saver
             if jax.process_index() == 0:
                 remove_stale_temps(self.directory)  # a failed or killed save's leftovers
-            background = self.async_save and not _orbax.shutting_down()
+            background = self.async_save and not shutting_down()
             if saver._writes_sharded():
                 values = saver._device_values()
                 if not background:

@@ -180,6 +180,26 @@ def test_a_full_disk_in_a_sharded_save_keeps_the_old_checkpoint(tmp_path, monkey
     assert os.listdir(directory) == ["ckpt-1"]  # no staging directory left
 
 
+@needs_orbax
+def test_a_full_disk_reported_by_tensorstore_is_an_oserror_too(tmp_path, monkeypatch):
+    """TensorStore writes in C++: a full disk reaches Python as another exception whose
+    message holds the system's words; it is raised as the OSError it is."""
+    w = ps.Variable(np.arange(4, dtype=np.float32), name="w")
+    path = Saver([w], sharded=True).save(tmp_path / "ckpt")
+
+    def full(*args, **kwargs):
+        raise ValueError(
+            f"Error writing local file: [OS error {errno.ENOSPC}: No space left on device]"
+        )
+
+    monkeypatch.setattr(orbax_format, "_write_arrays", full)
+    with pytest.raises(OSError, match=f"Cannot save sharded checkpoint '{path}'") as info:
+        Saver([w], sharded=True).save(path)
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, ValueError)
+    monkeypatch.undo()
+    assert values(path) == [0.0, 1.0, 2.0, 3.0] and os.listdir(tmp_path) == ["ckpt"]
+
+
 # ------------------------------------------------------------------------------ leftovers
 
 _KILLED = """

@@ -31,11 +31,9 @@ only here, lazily (``importlib``). ``checkpoint.formats.orbax.read.ShardedCheckp
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 import os
-import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -44,16 +42,15 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from paramstore.checkpoint.atomic import (
-    hold,
-    install_dir,
-    release,
-    remove_path,
-    save_error,
-    temp_path,
-)
+from paramstore.checkpoint.atomic import hold, install_dir, release
 from paramstore.checkpoint.format import CheckpointError
 from paramstore.checkpoint.formats.orbax import integrity, packed
+from paramstore.checkpoint.formats.orbax.staging import (
+    discard,
+    failed,
+    shutting_down,
+    staging_path,
+)
 from paramstore.checkpoint.io import path_lock
 
 FORMAT = "paramstore-sharded"
@@ -251,46 +248,6 @@ class _Plan:
         return failed(error, self.path)
 
 
-def discard(root: str) -> None:
-    remove_path(root)
-    parent, base = os.path.split(root)
-    with contextlib.suppress(OSError):
-        for name in os.listdir(parent):
-            if name.startswith(base + ".orbax-checkpoint-tmp"):
-                remove_path(os.path.join(parent, name))
-
-
-def failed(error: BaseException, path: str) -> BaseException:
-    """A failed sharded save's error: an ``OSError`` (a full or read-only disk) as one naming
-    the checkpoint; any other error with a note saying so."""
-    if isinstance(error, OSError):
-        return save_error(error, path, "sharded checkpoint")
-    if isinstance(error, Exception):
-        error.add_note(
-            f"(while saving the sharded checkpoint '{path}'; the previous checkpoint at that "
-            "path, if any, is unchanged)"
-        )
-    return error
-
-
-def shutting_down() -> bool:
-    """Whether the interpreter is past running background work (exiting: the threads'
-    exit hooks ran, ``concurrent.futures`` takes no new work)."""
-    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
-
-
-def staging_path(path: str) -> str:
-    """The staging directory of a save to ``path``: a temporary name beside it
-    (``checkpoint.atomic.temp_path``), the same on every process (process 0's)."""
-    name = temp_path(path)
-    if jax.process_count() > 1:
-        multihost_utils = importlib.import_module("jax.experimental.multihost_utils")
-        raw = os.fsencode(os.path.basename(name)).ljust(256, b"\0")
-        got = multihost_utils.broadcast_one_to_all(np.frombuffer(raw, np.uint8))
-        name = os.path.join(os.path.dirname(path), os.fsdecode(bytes(got).rstrip(b"\0")))
-    return name
-
-
 def _handler(ocp: Any) -> Any:
     """Orbax's composite handler, with the arrays written uncompressed: zstd (Orbax's
     default) shrank 64 MiB of trained-like float32 (normal) values by 3% and cost more than
@@ -354,7 +311,10 @@ def save(path: str, values: Mapping[str, Any], checkpointer: AsyncWriter | None 
             plan.finish()
             plan.install()
         except BaseException as e:
-            raise plan.discard(e) from (e if isinstance(e, OSError) else None)
+            error = plan.discard(e)
+            if error is e:
+                raise
+            raise error from e
     finally:
         release(root)
     return path
@@ -385,7 +345,10 @@ class AsyncWriter:
             try:
                 _write_arrays(self._ocp, self._checkpointer, plan)
             except BaseException as e:
-                raise plan.discard(e) from (e if isinstance(e, OSError) else None)
+                error = plan.discard(e)
+                if error is e:
+                    raise
+                raise error from e
         except BaseException:
             release(root)
             lock.release()
