@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -460,6 +461,57 @@ def test_a_corrupt_checkpoint_that_nobody_replaced_is_not_retried(tmp_path, monk
     with pytest.raises(checkpoint.CheckpointError, match="corrupt or incomplete"):
         Saver([w]).restore(path)
     assert calls == [1]
+
+
+_PRUNER = """
+import os, sys
+import numpy as np
+import paramstore as ps
+directory, stop = sys.argv[1], sys.argv[2]
+w = ps.Variable(np.zeros(64, np.float32), name="w")
+manager = ps.CheckpointManager(directory, [w], max_to_keep=1, sharded=sys.argv[3] == "1")
+step = 0
+while not os.path.exists(stop) and step < 2000:
+    step += 1
+    w.assign(np.full(64, float(step), np.float32))
+    manager.save(step)  # each save deletes the one before
+"""
+
+
+@needs_orbax
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", ["0", "1"])
+def test_restores_while_another_process_saves_and_prunes(tmp_path, sharded):
+    """A real second process keeps one checkpoint, replacing it as fast as it can; every
+    restore of the directory here reads a complete one."""
+    directory, stop = tmp_path / "run", tmp_path / "stop"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PRUNER, str(directory), str(stop), sharded],
+        env=env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        w = ps.Variable(np.zeros(64, np.float32))
+        seen = set()
+        start = time.monotonic()
+        while len(seen) < 6 and time.monotonic() - start < TIMEOUT and proc.poll() is None:
+            if not readers.scan(str(directory)):
+                time.sleep(0.05)
+                continue
+            Saver({"w": w}).restore(directory)  # no FileNotFoundError, no false corruption
+            value = w.numpy()
+            assert (value == value[0]).all() and value[0] >= 1, value
+            seen.add(float(value[0]))
+        assert len(seen) >= 3, (seen, proc.poll())
+    finally:
+        stop.touch()
+        try:
+            proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the saving process did not stop")
+    assert proc.returncode == 0, proc.stderr.read()[-3000:] if proc.stderr else ""
 
 
 # ------------------------------------------------------------------ dtypes, bit for bit
