@@ -70,7 +70,7 @@ _STEPS = [
 
 
 @needs_orbax
-@pytest.mark.parametrize("how", ["saver", "manager"])
+@pytest.mark.parametrize("how", [pytest.param("saver", marks=pytest.mark.slow), "manager"])
 def test_a_sharded_resave_interrupted_anywhere_keeps_a_complete_checkpoint(
     tmp_path, monkeypatch, how
 ):
