@@ -28,11 +28,17 @@ Contract (the file format is described in docs/checkpoints.md):
   and loads every tensor before it assigns any variable: on any error no variable changes.
   Each value is ``jax.device_put`` onto the variable's current sharding.
 * ``CheckpointManager`` keeps the newest ``max_to_keep`` checkpoints ``ckpt-<step>.safetensors``
-  of a directory. The directory itself is the index (it is scanned, temporary files are
-  ignored and stale ones removed), so a new manager continues where an old one stopped.
-  With ``async_save=True`` the host copy is taken inside ``save`` and the file written by a
-  background thread; ``wait()`` (also run at interpreter exit) flushes it and re-raises
-  the error of a failed background write, as does the next ``save``.
+  of a directory, by the order they were written in (a rollback's saves are kept; the
+  order is each checkpoint's modification time, which the manager keeps increasing). The
+  directory itself is the index (it is scanned, temporary files are ignored and the
+  leftovers of failed or killed saves removed, never a live writer's), so a new manager
+  continues where an old one stopped. With ``async_save=True`` the host copy is taken
+  inside ``save`` and the file written by a background thread; ``wait()`` (also run at
+  interpreter exit, before Python stops its threads) flushes it and re-raises the error of
+  a failed background write, as does the next ``save``.
+* A full or read-only disk fails a save with an ``OSError`` naming the checkpoint; the
+  previous checkpoint at that path is unchanged. A restore of a path that another process
+  replaces or prunes meanwhile reads a complete checkpoint (``checkpoint.readers``).
 * Sharded checkpoints (docs/sharding.md): where ``jax.process_count() > 1``, or with
   ``Saver(..., sharded=True)``, a checkpoint is instead an Orbax directory (see
   ``paramstore.checkpoint.formats.orbax.format``) in which each process writes only its own shards; the same

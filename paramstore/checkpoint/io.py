@@ -4,8 +4,8 @@ file replacement, and opening only regular files.
 * ``Checksums`` computes XXH3-64 (format 2) or CRC-32 (format 1) digests of buffers, the
   big ones on a worker thread (xxhash and zlib release the GIL) while the next I/O runs.
 * ``Gather`` hands many small buffers to one ``os.writev`` call.
-* ``temp_path`` / ``fsync_dir`` / ``datasync``: the steps of an atomic write (a temporary
-  file in the same directory, fsynced, renamed over the target, the directory fsynced).
+* ``datasync``: flush a file's data (the temporaries, renames and the write order are
+  ``checkpoint.atomic``'s).
 * ``open_regular`` opens a file for reading only if it is a regular file: a FIFO, a device
   or a socket is refused before ``open()`` can block on it or trigger a device's side
   effects (CheckpointError).
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
-import secrets
 import stat
 import threading
 import zlib
@@ -225,29 +223,7 @@ class Checksums:
         return out
 
 
-# --------------------------------------------------------------------- atomic writes
-
-
-def temp_path(path: str) -> str:
-    """A fresh temporary name beside ``path`` (matched by ``TEMP_RE``, with this pid)."""
-    head, base = os.path.split(path)
-    return os.path.join(head, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
-
-
-def fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY)
-    except OSError:  # e.g. Windows: directories cannot be opened
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+# ---------------------------------------------------------------------- writes
 
 
 def datasync(fd: int) -> None:

@@ -4,52 +4,30 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
+import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
 import importlib
 import operator
 import os
-import shutil
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import jax
 import numpy as np
 
+from paramstore.checkpoint.atomic import remove_stale_temps, retire, set_newest
 from paramstore.checkpoint.format import PathLike
 from paramstore.checkpoint.formats.orbax import format as _orbax
+from paramstore.checkpoint.formats.orbax.staging import shutting_down
 from paramstore.checkpoint.formats.safetensors.file import write_arrays
-from paramstore.checkpoint.io import TEMP_RE, path_lock
+from paramstore.checkpoint.io import path_lock
 from paramstore.checkpoint.readers import scan
 from paramstore.checkpoint.saver import Saver, check_step
 from paramstore.typing import VariablesLike
 
 if TYPE_CHECKING:
     from paramstore.checkpoint.objects import Checkpoint
-
-
-def _remove_stale_temps(directory: str) -> None:
-    """Delete temporary files left by writers (this host's processes) that no longer run."""
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(directory):
-            m = TEMP_RE.match(name)
-            if m and not _pid_alive(int(m["pid"])):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, name))
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
 
 
 class Background(Protocol):
@@ -97,16 +75,64 @@ class _Then:
         self._after()
 
 
-_PENDING: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_PENDING: dict[int, CheckpointManager] = {}  # managers with a save in flight (held until done)
+_PENDING_LOCK = threading.Lock()
+_HOOKED = False
 
 
-@atexit.register
 def _flush_at_exit() -> None:
-    for manager in list(_PENDING):
+    """Finish every save in flight at interpreter exit. Runs before Python joins its
+    threads and shuts down ``concurrent.futures`` (``threading._register_atexit``, in
+    reverse order of registration: registered at the first async save, it runs before
+    the executors it needs stop taking work)."""
+    while True:
+        with _PENDING_LOCK:
+            if not _PENDING:
+                return
+            _, manager = _PENDING.popitem()
         try:
             manager.wait()
         except Exception as e:  # nothing can be raised at exit; say it loudly
-            print(f"paramstore: a background checkpoint save failed: {e!r}", file=sys.stderr)
+            print(
+                f"paramstore: a background checkpoint save failed at exit: {e!r} (the "
+                "previous checkpoint at its path is unchanged)",
+                file=sys.stderr,
+            )
+
+
+def _hook_exit() -> None:
+    global _HOOKED
+    if _HOOKED:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_flush_at_exit)
+    else:  # pragma: no cover - CPython has it since 3.9
+        atexit.register(_flush_at_exit)
+    _HOOKED = True
+
+
+def _check_arguments(max_to_keep: Any, async_save: Any) -> None:
+    if max_to_keep is not None:
+        if isinstance(max_to_keep, (bool, np.bool_)) or not isinstance(
+            max_to_keep, (int, np.integer)
+        ):
+            raise TypeError(
+                f"CheckpointManager: max_to_keep must be an int >= 1 or None, got "
+                f"{type(max_to_keep).__name__} {max_to_keep!r}; pass e.g. max_to_keep=5, or "
+                "None to keep every checkpoint."
+            )
+        if max_to_keep < 1:
+            raise ValueError(
+                f"CheckpointManager: max_to_keep must be >= 1 or None, got {max_to_keep}; "
+                "pass None to keep every checkpoint."
+            )
+    if not isinstance(async_save, (bool, np.bool_)):
+        raise TypeError(
+            f"CheckpointManager: async_save must be True or False, got "
+            f"{type(async_save).__name__} {async_save!r}; pass async_save=True to write in "
+            "the background."
+        )
 
 
 class CheckpointManager:
@@ -124,8 +150,7 @@ class CheckpointManager:
         *,
         sharded: bool | None = None,
     ) -> None:
-        if max_to_keep is not None and (operator.index(max_to_keep) < 1):
-            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}.")
+        _check_arguments(max_to_keep, async_save)
         self.directory = os.fspath(directory)
         self._checkpoint: Any = None  # a ps.Checkpoint, which makes a Saver at each call
         if isinstance(saver_or_vars, Saver) or hasattr(saver_or_vars, "as_saver"):
@@ -141,13 +166,13 @@ class CheckpointManager:
                 self._checkpoint = saver_or_vars
         else:
             self._saver = Saver(saver_or_vars, sharded=sharded)
-        self.max_to_keep = max_to_keep
+        self.max_to_keep = None if max_to_keep is None else operator.index(max_to_keep)
         self.async_save = bool(async_save)
         self._pending: Background | None = None  # the save in flight (async_save)
         self._lock = threading.RLock()  # one save (or wait) at a time
         if jax.process_index() == 0:
             os.makedirs(self.directory, exist_ok=True)
-            _remove_stale_temps(self.directory)
+            remove_stale_temps(self.directory)
 
     @property
     def saver(self) -> Saver:
@@ -166,42 +191,50 @@ class CheckpointManager:
 
     @property
     def checkpoints(self) -> list[str]:
-        """The checkpoint paths, oldest step first (after any pending save finished)."""
+        """The checkpoint paths in the order they were written, oldest first (after any
+        pending save finished). A step saved again moves to the end; a rollback's saves
+        (``save(3)`` after ``save(10)``) come after the steps they follow in time."""
         self.wait()
         return [p for _, p in scan(self.directory)]
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """The path of the highest step, or None."""
+        """The path of the checkpoint written last (what ``restore_latest`` restores), or
+        None."""
         found = self.checkpoints
         return found[-1] if found else None
 
     @property
     def latest_step(self) -> int | None:
-        """The highest saved step, or None."""
+        """The step of the checkpoint written last, or None."""
         self.wait()
         found = scan(self.directory)
         return found[-1][0] if found else None
 
     def save(self, step: int) -> str:
-        """Save the variables as checkpoint ``step`` (replacing one of the same step) and
-        delete the oldest beyond ``max_to_keep``. Returns its path. With ``async_save`` the
-        values are copied to host now and the file is written in the background. Safe from
-        several threads: saves run one at a time (each waits for the one before)."""
+        """Save the variables as checkpoint ``step`` (replacing one of the same step, which
+        stays intact until the new one is complete) and delete the oldest written beyond
+        ``max_to_keep``. Returns its path. With ``async_save`` the values are copied to host
+        now and the file is written in the background (at interpreter exit, where no
+        background work can start any more, the save is made at once). Safe from several
+        threads: saves run one at a time (each waits for the one before)."""
         with self._lock:
             self.wait()
             path = self.path_for(step)
             saver = self.saver
+            if jax.process_index() == 0:
+                remove_stale_temps(self.directory)  # a failed or killed save's leftovers
+            background = self.async_save and not shutting_down()
             if saver._writes_sharded():
                 values = saver._device_values()
-                if not self.async_save:
+                if not background:
                     with path_lock(path):
                         _orbax.save(path, values)
-                    self._prune()
+                    self._written(path)
                     return path
-                self._start(sharded_background(path, values, self._prune))
+                self._start(sharded_background(path, values, lambda: self._written(path)))
                 return path
-            if not self.async_save:
+            if not background:
                 self._write(path, saver._snapshot(copy=False))
                 return path
             arrays = saver._snapshot(copy=True)
@@ -209,25 +242,36 @@ class CheckpointManager:
             return path
 
     def _start(self, pending: Background) -> None:
+        _hook_exit()
         self._pending = pending
-        _PENDING.add(self)
+        with _PENDING_LOCK:
+            _PENDING[id(self)] = self
 
     def _write(self, path: str, arrays: dict[str, np.ndarray]) -> None:
-        _remove_stale_temps(self.directory)
         with path_lock(path):
             write_arrays(path, arrays)
-        self._prune()
+        self._written(path)
 
-    def _prune(self) -> None:
-        """Delete the oldest checkpoints beyond ``max_to_keep`` (process 0 only; the
-        others wait for it). A symlinked checkpoint loses its link, never its target."""
+    def _written(self, path: str) -> None:
+        """After ``path`` is complete: mark it the newest (its modification time, the
+        write order), then delete the oldest written beyond ``max_to_keep``."""
+        if jax.process_index() == 0:
+            set_newest(path, [p for _, p in scan(self.directory) if p != path])
+        self._prune(path)
+
+    def _prune(self, written: str) -> None:
+        """Delete the oldest written checkpoints beyond ``max_to_keep`` (process 0 only; the
+        others wait for it), never ``written``, the one just saved. A symlinked checkpoint
+        loses its link, never its target; a directory is renamed away before it is deleted
+        (``checkpoint.atomic.retire``), under its path's lock (so no reader in this process
+        is cut off; readers in others read the newest remaining)."""
         if self.max_to_keep is not None and jax.process_index() == 0:
-            for _, old in scan(self.directory)[: -self.max_to_keep]:
-                with contextlib.suppress(FileNotFoundError):
-                    if os.path.islink(old) or not os.path.isdir(old):
-                        os.unlink(old)
-                    else:
-                        shutil.rmtree(old)
+            found = [p for _, p in scan(self.directory)]
+            for old in found[: -self.max_to_keep]:
+                if old == written:
+                    continue
+                with path_lock(old):
+                    retire(old)
         if jax.process_count() > 1:
             multihost_utils = importlib.import_module("jax.experimental.multihost_utils")
             multihost_utils.sync_global_devices("paramstore.CheckpointManager.prune")
@@ -237,7 +281,8 @@ class CheckpointManager:
         with self._lock:
             pending, self._pending = self._pending, None
             if pending is not None:
-                _PENDING.discard(self)
+                with _PENDING_LOCK:
+                    _PENDING.pop(id(self), None)
                 pending.wait()
 
     def restore_latest(self, allow_missing: bool = False) -> str | None:

@@ -4,7 +4,8 @@
 ``checkpoint.format.Reader`` of what is there: a sharded Orbax directory, a TensorFlow checkpoint
 prefix or directory, a Keras ``.weights.h5`` file, or a paramstore file. A path that is not
 a regular file or a directory (a FIFO, a device) is refused before anything opens it.
-``scan`` lists the ``ckpt-<step>`` checkpoints of a manager's directory.
+``scan`` lists the ``ckpt-<step>`` checkpoints of a manager's directory, in write order;
+``opened`` reads again what a writer in another process replaced meanwhile.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-from paramstore.checkpoint.format import CheckpointError, PathLike, Reader
+from paramstore.checkpoint.atomic import order_key
+from paramstore.checkpoint.format import CheckpointError, EntryInfo, PathLike, Reader
 from paramstore.checkpoint.formats.orbax import format as _orbax
 from paramstore.checkpoint.formats.orbax import read as _orbax_read
 from paramstore.checkpoint.formats.safetensors.file import SafetensorsFile
@@ -49,7 +52,7 @@ def _resolve(path: PathLike) -> str:
                 "or ckpt-<step> sharded checkpoint directories written by a "
                 "CheckpointManager)."
             )
-        return found[-1][1]
+        return found[-1][1]  # the newest written
     if os.path.exists(path):
         check_regular(path)
     elif not _tf.is_prefix(path):
@@ -73,39 +76,133 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
 
 @contextlib.contextmanager
 def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
-    # A sharded directory is resolved and read under its path's lock: a save from another
-    # thread of this process deletes and rewrites it (Orbax), so even the check of what
-    # ``path`` is must not run while one is under way (it would see no directory, or one
-    # without its metadata). A regular file is renamed atomically: no lock. A manager
-    # directory resolves to its latest checkpoint, read under that checkpoint's lock.
-    given = os.fspath(path)
-    with contextlib.ExitStack() as stack:
-        if not os.path.isfile(given):
-            stack.enter_context(path_lock(given))
-        resolved = _resolve(given)
-        if resolved != given:
-            stack.close()  # never two path locks at once (they are striped)
-            if _orbax.is_checkpoint(resolved):
-                stack.enter_context(path_lock(resolved))
-        reader = open_reader(resolved, allow_unverified)
-        try:
-            yield reader
-        finally:
-            reader.close()
+    """The reader of the checkpoint at ``path`` (``open_reader``), closed after the block; a
+    checkpoint that a writer replaces or a manager prunes while it is opened or read is
+    read again (see ``Reopening``)."""
+    reader = Reopening(os.fspath(path), allow_unverified)
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+_ATTEMPTS = 5  # reads of a checkpoint that writers keep replacing, before giving up
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class Reopening:
+    """A ``checkpoint.format.Reader`` of what is at a path that stays right while other
+    writers work on it.
+
+    A sharded directory is resolved and read under its path's lock: a save or a prune
+    from another thread of this process waits for the read. A regular file is renamed
+    atomically: no lock. A manager directory resolves to its latest checkpoint, read
+    under that checkpoint's lock. Another process cannot see these locks: when opening
+    or reading fails and the checkpoint is gone or is another one than when it was
+    resolved (a save swapped a new one in, a manager pruned it), the path is resolved
+    again (a manager directory: its newest remaining checkpoint) and read again, up to
+    ``_ATTEMPTS`` times; the values asked for must have the shapes and dtypes already
+    checked, else CheckpointError. A failure of an unchanged checkpoint (corruption) is
+    raised at once.
+    """
+
+    def __init__(self, given: str, allow_unverified: bool) -> None:
+        self._asked = given
+        self._allow_unverified = allow_unverified
+        self._stack = contextlib.ExitStack()
+        self._reader: Reader
+        self.path = self.description = ""
+        self._resolved = ""
+        self._identity: tuple[int, int] | None = None
+        self._open()
+
+    def _open(self) -> None:
+        for attempt in range(_ATTEMPTS):
+            stack = contextlib.ExitStack()
+            try:
+                if not os.path.isfile(self._asked):
+                    stack.enter_context(path_lock(self._asked))
+                resolved = _resolve(self._asked)
+                if resolved != self._asked:
+                    stack.close()  # never two path locks at once (they are striped)
+                    if os.path.isdir(resolved):
+                        stack.enter_context(path_lock(resolved))
+                identity = _identity(resolved)
+                try:
+                    reader = open_reader(resolved, self._allow_unverified)
+                except (FileNotFoundError, CheckpointError):
+                    # gone, or another one: a writer was at work (a TensorFlow prefix is
+                    # no file: it has no identity; a manager directory's latest may vanish
+                    # between its resolution and its identity)
+                    now = _identity(resolved)
+                    moved = now != identity if identity else resolved != self._asked
+                    if attempt + 1 < _ATTEMPTS and moved:
+                        stack.close()
+                        continue
+                    raise
+                stack.callback(reader.close)
+            except BaseException:
+                stack.close()
+                raise
+            self._stack, self._reader = stack, reader
+            self._resolved, self._identity = resolved, identity
+            self.path, self.description = reader.path, reader.description
+            return
+
+    def _changed(self) -> bool:
+        return self._identity is not None and _identity(self._resolved) != self._identity
+
+    @property
+    def entries(self) -> Mapping[str, EntryInfo]:
+        return self._reader.entries
+
+    def __getattr__(self, name: str) -> Any:  # a format's own extras (``skipped``...)
+        return getattr(self._reader, name)
+
+    def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        for attempt in range(_ATTEMPTS):
+            try:
+                return self._reader.load(wanted)
+            except (OSError, CheckpointError):
+                if attempt + 1 == _ATTEMPTS or not self._changed():
+                    raise
+            before = self._reader.entries
+            self.close()
+            self._open()
+            for name in wanted:
+                old, new = before.get(name), self._reader.entries.get(name)
+                if old is None or new is None or (old.shape, old.dtype) != (new.shape, new.dtype):
+                    raise CheckpointError(
+                        f"Checkpoint '{self._asked}' was replaced while it was read, and "
+                        f"'{name}' differs in the new one ({self._reader.path}). Restore again."
+                    )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 def scan(directory: str) -> list[tuple[int, str]]:
-    """``[(step, path)]`` of the checkpoints in ``directory``, oldest step first: files
-    ``ckpt-<step>.safetensors`` and sharded checkpoint directories ``ckpt-<step>`` (Orbax's
-    temporary directories do not match)."""
+    """``[(step, path)]`` of the checkpoints in ``directory`` in the order they were
+    written, oldest first (``checkpoint.atomic.order_key``: modification times, which
+    ``CheckpointManager`` keeps increasing, then steps): files ``ckpt-<step>.safetensors``
+    and sharded checkpoint directories ``ckpt-<step>`` (temporaries do not match)."""
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     found = []
     for name in names:
         m = CKPT_RE.match(name)
         path = os.path.join(directory, name)
         if m and (os.path.isfile(path) if m["file"] else _orbax.is_checkpoint(path)):
-            found.append((int(m["step"]), path))
-    return sorted(found)
+            step = int(m["step"])
+            found.append((order_key(path, step), step, path))
+    return [(step, path) for _, step, path in sorted(found)]

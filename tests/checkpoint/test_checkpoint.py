@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 import paramstore as ps
 from paramstore import checkpoint, cli
-from paramstore.checkpoint import CheckpointError, CheckpointManager, Saver
+from paramstore.checkpoint import CheckpointError, CheckpointManager, Saver, atomic
 from paramstore.checkpoint import manager as _checkpoint_manager
 from paramstore.checkpoint.formats.safetensors import file as _checkpoint_file
 
@@ -599,14 +599,19 @@ def test_manager_ignores_temp_files_and_cleans_stale_ones(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     stale = run / ".ckpt-7.safetensors.tmp-999999999-0123abcd"  # no such process
-    live = run / f".ckpt-8.safetensors.tmp-{os.getpid()}-0123abcd"  # a writer still running
-    for p in (stale, live):
+    live = run / f".ckpt-8.safetensors.tmp-{os.getppid()}-0123abcd"  # a writer still running
+    # this process's own: a leftover of a failed save, unless a save here still uses it
+    mine = run / f".ckpt-9.safetensors.tmp-{os.getpid()}-0123abcd"
+    in_use = run / f".ckpt-10.safetensors.tmp-{os.getpid()}-0123abcd"
+    for p in (stale, live, mine, in_use):
         p.write_bytes(b"partial")
     (run / "notes.txt").write_text("not a checkpoint")
-    manager = CheckpointManager(run, [v])
-    assert manager.checkpoints == []
-    assert not stale.exists() and live.exists()
+    with atomic.live_temp(str(in_use), str(in_use)):
+        manager = CheckpointManager(run, [v])
+        assert manager.checkpoints == []
+        assert not stale.exists() and live.exists() and not mine.exists() and in_use.exists()
     manager.save(1)
+    assert not in_use.exists()  # no longer in use: removed by the next save
     assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1.safetensors"]
 
 

@@ -544,6 +544,32 @@ def check_shard_sums_run_on_the_devices_holding_the_shards(tmp: Path) -> None:
     assert temp < x.nbytes / 4, temp  # per device, far below a shard (a quarter of x)
 
 
+def check_one_byte_dtypes_sharded_over_eight_devices_bit_for_bit(tmp: Path) -> None:
+    """int4 and float8_e4m3 (which Orbax cannot store) as bytes, each shard converted on its
+    device; re-saved to the same path; restored onto another mesh."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("x",))
+    rng = np.random.default_rng(0)
+    made = {}
+    for name, spec in (("int4", P("x")), ("float8_e4m3", P(None, "x"))):
+        dtype = np.dtype(getattr(ml_dtypes, name))
+        bits = rng.integers(0, 16 if name == "int4" else 256, (16, 8), dtype=np.uint8)
+        value = bits.view(dtype) if name != "int4" else bits.astype(np.int8).astype(dtype)
+        made[name] = ps.Variable(value, name=name, sharding=NamedSharding(mesh, spec))
+    saved = {n: np.asarray(v.numpy()).tobytes() for n, v in made.items()}
+    path = Saver(list(made.values()), sharded=True).save(tmp / "bytes")
+    Saver(list(made.values()), sharded=True).save(path)  # swapped in over the first
+    grid = jax.make_mesh((2, 4), ("a", "b"))
+    for name, v in made.items():
+        target = NamedSharding(grid, P("b", "a"))
+        again = ps.Variable(np.zeros((16, 8), v.dtype), name=f"{name}_2", sharding=target)
+        Saver({name: again}).restore(path)
+        assert again.sharding == target and np.asarray(again.numpy()).tobytes() == saved[name]
+    assert sorted(os.listdir(tmp)) == ["bytes"]
+
+
 CHECKS = {
     name[len("check_") :]: fn
     for name, fn in sorted(globals().items())

@@ -13,9 +13,14 @@ A sharded checkpoint is a directory:
   writing processes and, per variable, its name, key, shape and dtype; string variables
   keep their values here, and empty arrays (which Orbax cannot store) need nothing more.
 
-Orbax writes into a temporary directory and renames it once every process has finished;
-the metadata appears only after every process file is there, so a directory without it
-(a crash, a kill -9 mid-save) is no checkpoint: readers and ``CheckpointManager`` skip it.
+A save writes all of this into a staging directory beside the checkpoint
+(``.<name>.tmp-<pid>-<random>``, the same on every process) and, once complete, swaps it
+with what was at the path (``checkpoint.atomic.install_dir``: atomically on Linux), so the
+previous checkpoint stays intact until then; a failed save removes its staging directory,
+and a killed one leaves it to the next ``CheckpointManager``. The metadata appears only
+after every process file is there, so a directory without it is no checkpoint: readers and
+``CheckpointManager`` skip it. One-byte ``ml_dtypes`` values (int4, float8...) are stored
+as bytes (``checkpoint.formats.orbax.packed``).
 Restoring checks the metadata and process files' digests, that the writers' shards tile
 each array, every file's digest, and the sums of the restored values, shard by shard where
 the layout is the writer's and as a total otherwise, before any variable is assigned.
@@ -29,7 +34,6 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import shutil
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -38,8 +42,15 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from paramstore.checkpoint.atomic import hold, install_dir, release
 from paramstore.checkpoint.format import CheckpointError
-from paramstore.checkpoint.formats.orbax import integrity
+from paramstore.checkpoint.formats.orbax import integrity, packed
+from paramstore.checkpoint.formats.orbax.staging import (
+    discard,
+    failed,
+    shutting_down,
+    staging_path,
+)
 from paramstore.checkpoint.io import path_lock
 
 FORMAT = "paramstore-sharded"
@@ -125,6 +136,11 @@ def read_metadata(path: str) -> tuple[int, list[dict[str, Any]]]:
             raise FormatError(f"variable '{name}' has a bad shape {shape!r}")
         dtype = _dtype(entry.get("dtype"))
         item = {"name": name, "key": key, "shape": tuple(shape), "dtype": dtype}
+        stored = entry.get("stored")
+        if stored is not None:
+            if stored != packed.STORED or not packed.needs_packing(dtype):
+                raise FormatError(f"variable '{name}' has a bad stored dtype {stored!r}")
+            item["stored"] = np.dtype(stored)
         if dtype == _STRING:
             values = entry.get("strings")
             if not (
@@ -153,10 +169,12 @@ def host_value(x: Any) -> Any:
 
 
 class _Plan:
-    """One save: the metadata, the Orbax tree and the pending shard sums."""
+    """One save: the metadata, the Orbax tree and the pending shard sums. The files go to
+    ``root``, a staging directory beside ``path`` that ``_install`` puts in its place."""
 
-    def __init__(self, path: str, values: Mapping[str, Any]) -> None:
+    def __init__(self, path: str, root: str, values: Mapping[str, Any]) -> None:
         self.path = path
+        self.root = root
         self.process = jax.process_index()
         self.processes = jax.process_count()
         self.entries: list[dict[str, Any]] = []
@@ -175,6 +193,9 @@ class _Plan:
             elif math.prod(x.shape) != 0:  # Orbax cannot store an empty array
                 entry["key"] = key = f"v{i}"
                 value = host_value(x)
+                if packed.needs_packing(dtype):  # bytes that Orbax can store
+                    entry["stored"] = packed.STORED
+                    value = packed.pack(value)
                 self.arrays[key] = value
                 local = not isinstance(value, jax.Array) or (
                     self.processes > 1 and value.is_fully_addressable
@@ -191,15 +212,15 @@ class _Plan:
             key: [[box, integrity.hexsums(s)] for box, s in integrity.fetch(p)]
             for key, p in self.pending.items()
         }
-        os.makedirs(os.path.join(self.path, META), exist_ok=True)
+        os.makedirs(os.path.join(self.root, META), exist_ok=True)
         files = integrity.digest_files(
-            self.path, integrity.files_of(self.path, self.process, skip=META)
+            self.root, integrity.files_of(self.root, self.process, skip=META)
         )
         body = {"process": self.process, "shards": shards, "files": files}
-        integrity.write_json(process_file(self.path, self.process), PROCESS_FORMAT, body)
+        integrity.write_json(process_file(self.root, self.process), PROCESS_FORMAT, body)
         if self.process != 0:
             return
-        others = [process_file(self.path, p) for p in range(1, self.processes)]
+        others = [process_file(self.root, p) for p in range(1, self.processes)]
         missing = integrity.wait_for(others, PEER_TIMEOUT)
         if missing:
             raise CheckpointError(
@@ -209,7 +230,22 @@ class _Plan:
                 "untouched."
             )
         meta = {"processes": self.processes, "variables": self.entries}
-        integrity.write_json(os.path.join(self.path, META, _META_FILE), FORMAT, meta)
+        integrity.write_json(os.path.join(self.root, META, _META_FILE), FORMAT, meta)
+
+    def install(self) -> None:
+        """Put the finished staging directory at ``path`` (process 0; every process
+        returns once it is there): the previous checkpoint stays until then."""
+        _barrier("paramstore.sharded.written")
+        if self.process == 0:
+            install_dir(self.root, self.path)
+        _barrier("paramstore.sharded.installed")
+
+    def discard(self, error: BaseException) -> BaseException:
+        """After a failed save: remove the staging directory (and Orbax's temporary of
+        it); ``error`` as what the caller raises, naming the checkpoint."""
+        if self.process == 0:
+            discard(self.root)
+        return failed(error, self.path)
 
 
 def _handler(ocp: Any) -> Any:
@@ -230,33 +266,57 @@ def _barrier(name: str) -> None:
 def _write_arrays(ocp: Any, checkpointer: Any, plan: _Plan) -> None:
     if plan.arrays:
         args = ocp.args.Composite(**{ARRAYS: ocp.args.PyTreeSave(plan.arrays)})
-        checkpointer.save(plan.path, args, force=True)
+        checkpointer.save(plan.root, args, force=True)
         return
     if plan.process == 0:  # nothing for Orbax: the metadata says it all
-        shutil.rmtree(plan.path, ignore_errors=True)
-        os.makedirs(os.path.join(plan.path, META))
+        os.makedirs(os.path.join(plan.root, META))
     _barrier("paramstore.sharded.empty")
 
 
 def save(path: str, values: Mapping[str, Any], checkpointer: AsyncWriter | None = None) -> str:
     """Write ``{name: jax.Array | NumPy string array}`` as a sharded checkpoint at ``path``
-    (replacing one there). Every process must call it with the same names. With an
-    ``AsyncWriter`` it returns once the values are copied off the devices; the writer's
-    ``wait_until_finished`` completes it. The caller holds ``path_lock(path)`` (the one lock
-    of a checkpoint path, ``checkpoint.io``); an ``AsyncWriter`` takes it itself and holds
-    it until the files are written, so no reader or other save sees a save in flight."""
+    (replacing one there only once the new one is complete: it is written to a staging
+    directory beside ``path``, then swapped in). Every process must call it with the same
+    names. With an ``AsyncWriter`` it returns once the values are copied off the devices;
+    the writer's ``wait_until_finished`` completes it. The caller holds ``path_lock(path)``
+    (the one lock of a checkpoint path, ``checkpoint.io``); an ``AsyncWriter`` takes it
+    itself and holds it until the files are written, so no reader or other save of this
+    process sees a save in flight. A failed save leaves what was at ``path`` and removes
+    its staging directory; an ``OSError`` (a full or read-only disk) is raised as one
+    naming ``path``."""
     ocp = orbax()
     path = os.path.abspath(path)
+    if shutting_down():
+        raise RuntimeError(
+            f"Cannot save the sharded checkpoint '{path}' at interpreter exit: Orbax writes "
+            "with threads that Python has already shut down. Save before the program ends "
+            "(a CheckpointManager's pending async saves are finished at exit); the previous "
+            "checkpoint at that path, if any, is unchanged."
+        )
     parent = os.path.dirname(path)
     if parent and jax.process_index() == 0:
-        os.makedirs(parent, exist_ok=True)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise failed(e, path) from e
     if checkpointer is not None:
         checkpointer.save(path, values)
         return path
-    plan = _Plan(path, values)
-    _write_arrays(ocp, ocp.Checkpointer(_handler(ocp)), plan)
-    plan.finish()
-    _barrier("paramstore.sharded.saved")
+    root = staging_path(path)
+    hold(root)
+    try:
+        plan = _Plan(path, root, values)
+        try:
+            _write_arrays(ocp, ocp.Checkpointer(_handler(ocp)), plan)
+            plan.finish()
+            plan.install()
+        except BaseException as e:
+            error = plan.discard(e)
+            if error is e:
+                raise
+            raise error from e
+    finally:
+        release(root)
     return path
 
 
@@ -278,10 +338,19 @@ class AsyncWriter:
         self.wait_until_finished()
         lock = path_lock(path)
         lock.acquire()  # released by the background thread, once the files are written
+        root = staging_path(path)
+        hold(root)
         try:
-            plan = _Plan(path, values)
-            _write_arrays(self._ocp, self._checkpointer, plan)
+            plan = _Plan(path, root, values)
+            try:
+                _write_arrays(self._ocp, self._checkpointer, plan)
+            except BaseException as e:
+                error = plan.discard(e)
+                if error is e:
+                    raise
+                raise error from e
         except BaseException:
+            release(root)
             lock.release()
             raise
         self._thread = threading.Thread(
@@ -293,10 +362,13 @@ class AsyncWriter:
         try:
             self._checkpointer.wait_until_finished()
             plan.finish()
+            plan.install()
         except BaseException as e:
-            e.add_note(f"(raised by the background save of '{plan.path}')")
-            self._error = e
+            error = plan.discard(e)
+            error.add_note(f"(raised by the background save of '{plan.path}')")
+            self._error = error
         finally:
+            release(plan.root)
             lock.release()
             if self._one_shot:
                 self._checkpointer.close()

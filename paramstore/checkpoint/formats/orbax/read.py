@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from paramstore.checkpoint.format import CheckpointError, Entry, PathLike, no_such_variable
-from paramstore.checkpoint.formats.orbax import integrity
+from paramstore.checkpoint.formats.orbax import integrity, packed
 from paramstore.checkpoint.formats.orbax.format import (
     ARRAYS,
     META,
@@ -91,10 +91,11 @@ class ShardedCheckpoint:
         for key, name in keys.items():
             value = out[name]
             meta = self._meta[name]
-            if tuple(value.shape) != meta["shape"] or np.dtype(value.dtype) != meta["dtype"]:
+            stored = meta.get("stored", meta["dtype"])
+            if tuple(value.shape) != meta["shape"] or np.dtype(value.dtype) != stored:
                 problems.append(
                     f"variable '{name}' was read with shape {tuple(value.shape)} and dtype "
-                    f"{value.dtype}, but its metadata says {meta['shape']} and {meta['dtype']}"
+                    f"{value.dtype}, but its metadata says {meta['shape']} and {stored}"
                 )
                 continue
             checkable[key] = value
@@ -133,6 +134,9 @@ class ShardedCheckpoint:
                 + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
                 + ". A flipped bit or an edited file; restore an older checkpoint."
             )
+        for name in wanted:  # verified: the stored bytes back as their dtype
+            if "stored" in self._meta[name] and self._meta[name].get("key"):
+                out[name] = packed.unpack(out[name], self._meta[name]["dtype"])
         return out
 
     def _combine(
@@ -249,13 +253,14 @@ def load(path: str, wanted: Mapping[str, tuple[dict[str, Any], Any]]) -> dict[st
         ocp = ocp or orbax()
         key = entry["key"]
         names[key] = name
+        dtype = entry.get("stored", entry["dtype"])  # packed dtypes: their bytes
         if sharding is None:
-            targets[key] = np.empty(0, entry["dtype"])
-            args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=entry["dtype"])
+            targets[key] = np.empty(0, dtype)
+            args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
         else:
-            targets[key] = jax.ShapeDtypeStruct(entry["shape"], entry["dtype"], sharding=sharding)
+            targets[key] = jax.ShapeDtypeStruct(entry["shape"], dtype, sharding=sharding)
             args[key] = ocp.ArrayRestoreArgs(
-                sharding=sharding, global_shape=entry["shape"], dtype=entry["dtype"]
+                sharding=sharding, global_shape=entry["shape"], dtype=dtype
             )
     if targets:
         assert ocp is not None

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from paramstore.checkpoint.atomic import fsync_dir, live_temp, save_error
 from paramstore.checkpoint.format import CheckpointError, PathLike, is_string, no_such_variable
 from paramstore.checkpoint.formats.safetensors.format import (
     KEY_VERSION,
@@ -42,9 +43,7 @@ from paramstore.checkpoint.io import (
     aligned_empty,
     checksum,
     datasync,
-    fsync_dir,
     open_regular,
-    temp_path,
 )
 from paramstore.checkpoint.placement import put
 
@@ -70,43 +69,53 @@ def write_checked(path: PathLike, arrays: Mapping[str, np.ndarray]) -> str:
     tensors.sort(key=lambda t: -t.itemsize)  # so each tensor starts aligned to its itemsize
     directory = os.path.dirname(path)
     if directory:
-        os.makedirs(directory, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        # Small tensors are checksummed now, so a file of only small tensors is written
-        # with its final header at once; big ones are checksummed while the data flushes.
-        crcs = {t.name: checksum(t.data) for t in tensors if t.data.nbytes < PARALLEL_MIN}
-        header = build_header(tensors, crcs)
-        if len(header) - 8 > MAX_HEADER:
-            raise CheckpointError(
-                f"Cannot save {len(tensors)} variables to '{path}': the header would take "
-                f"{len(header) - 8} bytes, more than the {MAX_HEADER // 2**20} MiB a reader "
-                "accepts. Save fewer, larger variables (or use Saver(..., sharded=True))."
-            )
-        with open(tmp, "xb", buffering=BUFFER) as f:
-            f.write(header)
-            with Checksums(deferred=True, done=crcs.keys()) as checksums:
-                gather = Gather(f)
-                for t in tensors:
-                    _write_tensor(gather, t, checksums)
-                gather.flush()
-                if checksums.queued:  # checksum the big tensors while the data goes to disk
-                    checksums.start()
-                    datasync(f.fileno())
-                big = checksums.result()
-            if big:
-                crcs.update(big)
-                f.seek(0)
-                f.write(build_header(tensors, crcs))
-                f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise save_error(e, path) from e
+    with live_temp(path) as tmp:
+        try:
+            _write_file(path, tmp, tensors)
+            os.replace(tmp, path)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(e, OSError):
+                raise save_error(e, path) from e
+            raise
     fsync_dir(directory)
     return path
+
+
+def _write_file(path: str, tmp: str, tensors: list[Tensor]) -> None:
+    """The file ``tmp``: header, tensors, checksums, fsynced (``write_arrays``)."""
+    # Small tensors are checksummed now, so a file of only small tensors is written
+    # with its final header at once; big ones are checksummed while the data flushes.
+    crcs = {t.name: checksum(t.data) for t in tensors if t.data.nbytes < PARALLEL_MIN}
+    header = build_header(tensors, crcs)
+    if len(header) - 8 > MAX_HEADER:
+        raise CheckpointError(
+            f"Cannot save {len(tensors)} variables to '{path}': the header would take "
+            f"{len(header) - 8} bytes, more than the {MAX_HEADER // 2**20} MiB a reader "
+            "accepts. Save fewer, larger variables (or use Saver(..., sharded=True))."
+        )
+    with open(tmp, "xb", buffering=BUFFER) as f:
+        f.write(header)
+        with Checksums(deferred=True, done=crcs.keys()) as checksums:
+            gather = Gather(f)
+            for t in tensors:
+                _write_tensor(gather, t, checksums)
+            gather.flush()
+            if checksums.queued:  # checksum the big tensors while the data goes to disk
+                checksums.start()
+                datasync(f.fileno())
+            big = checksums.result()
+        if big:
+            crcs.update(big)
+            f.seek(0)
+            f.write(build_header(tensors, crcs))
+            f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_tensor(f: BinaryIO | Gather, t: Tensor, checksums: Checksums) -> None:
