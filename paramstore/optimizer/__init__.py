@@ -83,8 +83,10 @@ from paramstore._traverse import Key, Relative
 from paramstore._variable import abstract as _abstract
 from paramstore.function import function
 from paramstore.module import Module
+from paramstore.optimizer import placement
 from paramstore.optimizer.abstract import abstract_state, any_abstract, defer_init
 from paramstore.optimizer.grads import Targets
+from paramstore.optimizer.placement import SlotSharding
 from paramstore.optimizer.slots import (
     hyperparam_leaves,
     replicated_like,
@@ -109,6 +111,7 @@ _OWN_ATTRIBUTES = frozenset(
         "_state_keys",
         "_hyper",
         "_compiled",
+        "_placement",
     )
 )
 
@@ -155,12 +158,24 @@ class Optimizer(Module):
             return loss
     """
 
-    def __new__(cls, *args: Any, name: Any = None, **kwargs: Any) -> Optimizer:
+    def __new__(
+        cls,
+        *args: Any,
+        name: Any = None,
+        slot_sharding: Any = None,
+        slot_memory_kind: Any = None,
+        **kwargs: Any,
+    ) -> Optimizer:
         if name is not None and not isinstance(name, str):  # before any scope is reserved
             raise TypeError(
                 f"ps.Optimizer: name must be a str such as 'adam', got {type(name).__name__} "
                 f"{name!r}."
             )
+        if slot_sharding is not None or slot_memory_kind is not None:  # so is this
+            variables = args[1] if len(args) > 1 else kwargs.get("variables")
+            targets = Targets.parse(variables)
+            params = [v for v, o in zip(targets.variables, targets.optimized) if o]
+            placement.check(slot_sharding, slot_memory_kind, params)
         return super().__new__(cls)
 
     def __init__(
@@ -170,6 +185,8 @@ class Optimizer(Module):
         *,
         name: str | None = None,
         jit_compile: bool = True,
+        slot_sharding: SlotSharding | None = None,
+        slot_memory_kind: str | None = None,
     ) -> None:
         _check_tx(tx, variables)
         targets = Targets.parse(variables)
@@ -189,6 +206,10 @@ class Optimizer(Module):
             paths = [p for p, _ in path_leaves]
             leaves = [leaf if abstract else _as_state_array(p, leaf) for p, leaf in path_leaves]
         names, owners = slot_names(paths, [a.shape for a in leaves], targets.param_keys())
+        self._placement = _Hidden(
+            placement.plan(slot_sharding, slot_memory_kind, owners, leaves, replicated)
+        )
+        homes = self._placement.value.homes
         # each slot exactly where its variable is, whatever ps.device says
         with unplaced(), _abstract.abstract() if abstract else contextlib.nullcontext():
             self._iterations = Variable(
@@ -198,13 +219,11 @@ class Optimizer(Module):
                 sharding=state_sharding(None, zero, replicated),
             )
             self._state_variables = [
-                Variable(
-                    arr, trainable=False, name=slot, sharding=state_sharding(owner, arr, replicated)
-                )
-                for arr, slot, owner in zip(leaves, names, owners)
+                Variable(arr, trainable=False, name=slot, sharding=home)
+                for arr, slot, home in zip(leaves, names, homes)
             ]
         if abstract:
-            defer_init(tx, targets, self._state_variables)
+            defer_init(tx, targets, self._state_variables, self._placement.value.active)
         # checkpoint keys: a slot under its parameter's path, never its position
         self._state_keys: list[Key] = [
             slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
@@ -340,7 +359,9 @@ class Optimizer(Module):
         targets: Targets = self._targets.value
         params = targets.params()
         state_vars: list[Variable] = self._state_variables
-        state = jax.tree_util.tree_unflatten(self._treedef, [v.value() for v in state_vars])
+        place = self._placement.value
+        values = place.fetch([v.value() for v in state_vars])  # where the update is computed
+        state = jax.tree_util.tree_unflatten(self._treedef, values)
         updates, new_state = self._tx.update(grads, state, params, **extra_args)
         new_params = targets.entries(optax.apply_updates(params, updates))
         new_leaves, new_def = jax.tree_util.tree_flatten(new_state)
@@ -359,6 +380,8 @@ class Optimizer(Module):
                     f"{var.shape} to {tuple(x.shape)}."
                 )
             writes.append((var, x.astype(var.dtype) if x.dtype != var.dtype else x))
+        homed = place.store([x for _, x in writes])  # back where the slots live
+        writes = [(var, x) for (var, _), x in zip(writes, homed)]
         for var, x, opt in zip(targets.variables, new_params, targets.optimized):
             if not opt:
                 continue
