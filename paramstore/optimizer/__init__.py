@@ -2,7 +2,8 @@
 
 Contract (docs/api.md, "Optimizers"):
 
-* ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is any
+* ``Optimizer(tx, variables, *, name=None, jit_compile=True, slot_sharding=None,
+  slot_memory_kind=None)``. ``variables`` is any
   collection ``ps.grad`` accepts, read by the same parser (``paramstore._collect``): a
   list or tuple of Variables, a dict ``{key: Variable}``, a Module (then its
   ``trainable_variables`` *at construction*: build the model before its optimizer), Modules
@@ -29,7 +30,8 @@ Contract (docs/api.md, "Optimizers"):
   a per-parameter slot is ``"<opt>/<variable name>/<slot>"`` (``"optimizer/dense/w/mu"``),
   anything else ``"<opt>/<path>"`` (``"optimizer/count"``,
   ``"optimizer/hyperparams/learning_rate"``); list indices of ``optax.chain`` are left out
-  unless two names would collide. Slots are placed like their variable (same sharding);
+  unless two names would collide. Slots are placed like their variable (same sharding;
+  see ``slot_sharding`` below);
   counters and other shared state replicated over the first variable's devices.
   In a ``ps.Checkpoint`` a slot is keyed by its parameter's path and its optax path
   (``optimizer/model/dense/kernel/mu``), never by position (``_ps_children`` gives the
@@ -39,6 +41,9 @@ Contract (docs/api.md, "Optimizers"):
   counter, incremented by each ``apply_gradients``) first. An Optimizer is a
   ``ps.Module``: held as an attribute of another Module, its state is part of that
   module's ``variables``.
+* ``slot_sharding`` places each parameter's slots instead of its own sharding (ZeRO-1) and
+  ``slot_memory_kind="pinned_host"`` keeps them in host memory, moved to the device for the
+  update inside the compiled step: ``paramstore.optimizer.placement`` has the contract.
 * Over abstract variables (``ps.abstract()``) the state is abstract too, same names and
   shardings (``paramstore.optimizer.abstract``): a checkpoint restore or ``ps.initialize``
   makes it concrete (docs/sharding.md, "Abstract models").
@@ -86,14 +91,13 @@ from paramstore.module import Module
 from paramstore.optimizer import placement
 from paramstore.optimizer.abstract import abstract_state, any_abstract, defer_init
 from paramstore.optimizer.grads import Targets
-from paramstore.optimizer.placement import SlotSharding
 from paramstore.optimizer.slots import (
     hyperparam_leaves,
     replicated_like,
     slot_names,
     state_sharding,
 )
-from paramstore.typing import ValueLike, VariablesLike
+from paramstore.typing import SlotSharding, ValueLike, VariablesLike
 from paramstore.variable import Variable
 
 __all__ = ["Optimizer"]
@@ -172,10 +176,8 @@ class Optimizer(Module):
                 f"{name!r}."
             )
         if slot_sharding is not None or slot_memory_kind is not None:  # so is this
-            variables = args[1] if len(args) > 1 else kwargs.get("variables")
-            targets = Targets.parse(variables)
-            params = [v for v, o in zip(targets.variables, targets.optimized) if o]
-            placement.check(slot_sharding, slot_memory_kind, params)
+            targets = Targets.parse(args[1] if len(args) > 1 else kwargs.get("variables"))
+            placement.check(slot_sharding, slot_memory_kind, list(targets.param_keys().values()))
         return super().__new__(cls)
 
     def __init__(

@@ -34,9 +34,9 @@ docs/sharding.md "Optimizer memory"):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
@@ -44,12 +44,10 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from paramstore._core.layout import LayoutMap
 from paramstore._core.placement import check_fits, describe, device_memory_kind, in_host_memory
 from paramstore.optimizer.slots import state_sharding
+from paramstore.typing import SlotSharding
 from paramstore.variable import Variable
 
-__all__ = ["SlotSharding", "SlotPlacement", "check", "plan", "memory_kinds", "KNOWN_KINDS"]
-
-SlotSharding: TypeAlias = LayoutMap | Sharding | Callable[[Variable], Sharding | None]
-"""What ``slot_sharding=`` accepts (see the module docstring)."""
+__all__ = ["SlotPlacement", "check", "plan", "memory_kinds", "KNOWN_KINDS"]
 
 KNOWN_KINDS = ("device", "pinned_host", "unpinned_host")
 """The memory kinds JAX names (``Device.addressable_memories()``)."""
