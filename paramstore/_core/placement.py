@@ -246,7 +246,8 @@ def replicated(where: Sharding | Mesh) -> Sharding:
 
 def device_memory_kind(sharding: Sharding) -> str:
     """The default memory kind of ``sharding``'s devices (``"device"`` on CPU, GPU, TPU)."""
-    return str(next(iter(sharding.device_set)).default_memory().kind)
+    first: Any = next(iter(sharding.device_set))  # (jax's stubs lack default_memory)
+    return str(first.default_memory().kind)
 
 
 def in_host_memory(sharding: Sharding) -> bool:

@@ -237,7 +237,8 @@ def _check_kind(kind: str, where: Sharding, owner: Variable) -> None:
             f"memory kinds are {', '.join(map(repr, KNOWN_KINDS))}; to keep optimizer state "
             "in host memory use 'pinned_host'."
         )
-    platform = next(iter(where.device_set)).platform
+    first: Any = next(iter(where.device_set))  # (jax's stubs lack .platform)
+    platform = first.platform
     raise ValueError(
         f"ps.Optimizer: slot_memory_kind {kind!r} (for {what}) is not a memory of the "
         f"variable's {platform} devices, which have {', '.join(map(repr, sorted(have)))}. "
