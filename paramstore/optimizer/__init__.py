@@ -211,7 +211,7 @@ class Optimizer(Module):
         self._placement = _Hidden(
             placement.plan(slot_sharding, slot_memory_kind, owners, leaves, replicated)
         )
-        homes = self._placement.value.homes
+        leaves, homes = self._placement.value.initial(leaves)
         # each slot exactly where its variable is, whatever ps.device says
         with unplaced(), _abstract.abstract() if abstract else contextlib.nullcontext():
             self._iterations = Variable(

@@ -65,6 +65,24 @@ class SlotPlacement:
     def active(self) -> bool:
         return any(c is not None for c in self.computes)
 
+    def initial(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Sharding | None]]:
+        """The state leaves and the ``sharding=`` of their new Variables. With a placement,
+        each concrete leaf is moved home here, evaluated now even inside a ``ps.function``
+        trace (where a ``device_put`` at creation would be traced), and its Variable then
+        needs no ``sharding=``; abstract leaves keep theirs."""
+        if not self.active:
+            return list(leaves), list(self.homes)
+        out: list[Any] = []
+        shardings: list[Sharding | None] = []
+        with jax.ensure_compile_time_eval():
+            for leaf, home in zip(leaves, self.homes):
+                concrete = isinstance(leaf, jax.Array)
+                if concrete and home is not None and leaf.sharding != home:
+                    leaf = jax.device_put(leaf, home)
+                out.append(leaf)
+                shardings.append(None if concrete else home)
+        return out, shardings
+
     def fetch(self, values: Sequence[Any]) -> list[Any]:
         """The state's values where the update is computed (device memory)."""
         if not self.active:
