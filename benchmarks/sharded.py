@@ -768,7 +768,7 @@ def _finished(manager: Any) -> bool:
 
 def optimizer_rows(args: argparse.Namespace) -> None:
     """Where Adam's state lives, for a data-parallel MLP whose Adam state is most of the
-    step's memory (``--quick``: 2 x 256, else 4 x 1024; batch 64 split over the devices,
+    step's memory (``--quick``: 2 x 256, else 4 x 512; batch 64 split over the devices,
     parameters replicated). Placements: replicated slots (the default), ZeRO-1 (slots split
     over "data", ``slot_sharding=``), host memory (``slot_memory_kind="pinned_host"``) and
     both. Memory: the compiled step's ``memory_analysis()`` per device, arguments and
@@ -782,34 +782,22 @@ def optimizer_rows(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    import step as single  # step.py's MLP: its initial values, data and forward pass
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import paramstore as ps
 
-    layers, width, batch = (2, 256, 64) if args.quick else (4, 1024, 64)
-    steps, repeats = (3, 2) if args.quick else (10, 7)
+    layers, width, batch = (2, 256, 64) if args.quick else (4, 512, 64)
+    steps, repeats = (3, 2) if args.quick else (10, 5)
     lr, host = 1e-3, "pinned_host"
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    rng = np.random.default_rng(0)
-    init = [
-        (
-            (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
-            np.zeros(width, np.float32),
-        )
-        for _ in range(layers)
-    ]
-    x = jax.device_put(rng.standard_normal((batch, width)).astype(np.float32), split)
-    y = jax.device_put(rng.standard_normal((batch, width)).astype(np.float32), split)
+    cfg = single.Config(f"{layers} x {width}", layers, width, batch)
+    init, mlp = single.init_params(cfg), single.mlp
+    x, y = (jax.device_put(a, split) for a in single.data(cfg))
     param_bytes = sum(w.nbytes + b.nbytes for w, b in init)
-
-    def mlp(params, x):
-        for i, (w, b) in enumerate(params):
-            x = x @ w + b
-            x = jnp.tanh(x) if i < len(params) - 1 else x
-        return x
 
     placements = {  # name: (slot spec, memory kind)
         "replicated slots (default)": (P(), None),

@@ -24,12 +24,15 @@ docs/sharding.md "Optimizer memory"):
     (``"host"``), or one the slot's devices lack, is a ``ValueError`` naming the parameter.
     Shared state (step counters, injected hyperparameters) stays in device memory,
     replicated, as without these arguments.
+* ``SlotPlacement.initial(leaves)``: the initial values, moved home at once (also inside a
+  ``ps.function``'s first trace), and the ``sharding=`` their Variables still need.
 * ``SlotPlacement.fetch(values)`` moves the state's values to where the update is computed
   (device memory, the slot's sharding); ``store(values)`` constrains the new values to that
   sharding and moves them home (host memory). Inside a trace these are ``jax.device_put``
-  calls in the compiled program (a sharding constraint, or a copy between memories) (the host slots are arguments and
-  results in host memory, copied to the device inside it); eagerly, the same calls run as
-  copies. A placement with nothing to do returns its inputs (``active`` is False).
+  calls in the compiled program: a sharding constraint, or a copy between memories (the
+  host slots are the program's arguments and results in host memory, copied to the device
+  inside it). Eagerly the same calls are copies. A placement with nothing to do returns its
+  inputs (``active`` is False).
 """
 
 from __future__ import annotations
