@@ -884,6 +884,7 @@ def optimizer_rows(args: argparse.Namespace) -> None:
     )
     runs: dict[str, Callable[[], object]] = {}
     memory: dict[str, tuple[int, int, int]] = {}
+    programs: dict[str, str] = {}
     with ps.VariableStore():
         for name, (spec, kind) in placements.items():
             for who, build in (("ps.function", paramstore), ("jax.jit", reference)):
@@ -891,6 +892,7 @@ def optimizer_rows(args: argparse.Namespace) -> None:
                 jax.block_until_ready(run())  # warm up
                 runs[f"{name}|{who}"] = run
                 memory[f"{name}|{who}"] = device_bytes(compiled)
+                programs[f"{name}|{who}"] = _program_summary(compiled)
         times = _interleaved(runs, steps, repeats)
     mib = 2**20
     base_args, base_host, _ = memory[f"{next(iter(placements))}|ps.function"]
@@ -914,6 +916,12 @@ def optimizer_rows(args: argparse.Namespace) -> None:
             f"{slots_dev / base_slots:8.3f} {ps_t * 1e3:8.2f} {ref_t * 1e3:11.2f} "
             f"{ps_t / ref_t:6.2f}"
         )
+    for name in placements:
+        ours, theirs = programs[f"{name}|ps.function"], programs[f"{name}|jax.jit"]
+        if ours == theirs:
+            print(f"  {name}: ps.function and jax.jit programs alike: {ours}")
+        else:
+            print(f"  {name}: ps.function {ours}\n  {'':{len(name)}}  jax.jit     {theirs}")
     print(
         "per device; args: memory_analysis().argument_size_in_bytes, host: those in "
         "pinned_host (S(5)), device: args - host (jax.jit: the hand-written step's), out dev: "

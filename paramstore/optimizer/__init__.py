@@ -175,9 +175,11 @@ class Optimizer(Module):
                 f"ps.Optimizer: name must be a str such as 'adam', got {type(name).__name__} "
                 f"{name!r}."
             )
-        if slot_sharding is not None or slot_memory_kind is not None:  # so is this
-            targets = Targets.parse(args[1] if len(args) > 1 else kwargs.get("variables"))
-            placement.check(slot_sharding, slot_memory_kind, list(targets.param_keys().values()))
+        variables = args[1] if len(args) > 1 else kwargs.get("variables")
+        placed = slot_sharding is not None or slot_memory_kind is not None
+        if placed and variables is not None:
+            params = list(Targets.parse(variables).param_keys().values())
+            placement.check(slot_sharding, slot_memory_kind, params)  # so is this
         return super().__new__(cls)
 
     def __init__(

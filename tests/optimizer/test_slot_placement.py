@@ -371,6 +371,8 @@ def check_zero1_equals_the_default_placement():
                 model, opt = train(mode, rep, slot_sharding=slot_sharding)
                 by = {v.name: v for v in slots(opt)}
                 assert by["opt/dense/w/mu"].sharding == w_sharding, (how, mode)
+                if how == "layout map":  # no key matches b: its slots stay like it
+                    assert by["opt/dense/b/mu"].sharding == model.b.sharding
                 assert _shard_bytes(by["opt/dense/w/nu"]) == nbytes
                 assert model.w.sharding == rep  # parameters stay replicated
                 assert_close(values(model, opt), want)
