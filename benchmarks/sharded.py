@@ -1,13 +1,15 @@
 """A data-parallel Adam step on 8 devices: ps.function against hand-written jax.jit.
 
 Run: ``python benchmarks/sharded.py`` (``--quick`` for a short run, ``--devices N``,
-``--rows dp parallel creation checkpoint`` to pick row groups).
+``--rows dp parallel creation checkpoint optimizer`` to pick row groups).
 
 Row groups: ``dp`` (below), ``parallel`` (FSDP and tensor-parallel Adam steps against
 ``jax.jit`` and Flax NNX, ``parallel_rows``), ``creation`` (sharded creation of a
 8192x8192 weight against ``jax.jit(init, out_shardings=...)``, ``creation_rows``) and
 ``checkpoint`` (a sharded checkpoint of ``--checkpoint-mib`` MiB against plain Orbax, async
-saves and steps during them, ``checkpoint_rows``).
+saves and steps during them, ``checkpoint_rows``) and ``optimizer`` (where Adam's state
+lives: replicated, ZeRO-1, host memory, both; device bytes of the compiled step and its time
+against hand-written ``jax.jit``, ``optimizer_rows``).
 
 Both variants train the same MLP with ``optax.adam`` on a 1-D ``"data"`` mesh: parameters
 and optimizer state replicated (``P()``), the batch split over the devices (``P("data")``).
@@ -55,7 +57,9 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint-mib", type=int, default=512, help="sharded checkpoint rows: total MiB"
     )
-    parser.add_argument("--rows", nargs="*", default=["dp", "parallel", "creation", "checkpoint"])
+    parser.add_argument(
+        "--rows", nargs="*", default=["dp", "parallel", "creation", "checkpoint", "optimizer"]
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 10, 3
@@ -186,6 +190,8 @@ def main() -> None:
         creation_rows(args)
     if "checkpoint" in args.rows:
         checkpoint_rows(args)
+    if "optimizer" in args.rows:
+        optimizer_rows(args)
 
 
 # ------------------------------------------------- FSDP and tensor parallel (issue 17)
@@ -755,6 +761,177 @@ def _finished(manager: Any) -> bool:
     pending = getattr(manager, "_pending", None)
     writer = getattr(pending, "_inner", pending)  # the manager wraps it to prune after
     return writer is None or writer.done()
+
+
+# ------------------------------------------------------- optimizer state placement (issue 26)
+
+
+def optimizer_rows(args: argparse.Namespace) -> None:
+    """Where Adam's state lives, for a data-parallel MLP whose Adam state is most of the
+    step's memory (``--quick``: 2 x 256, else 4 x 512; batch 64 split over the devices,
+    parameters replicated). Placements: replicated slots (the default), ZeRO-1 (slots split
+    over "data", ``slot_sharding=``), host memory (``slot_memory_kind="pinned_host"``) and
+    both. Memory: the compiled step's ``memory_analysis()`` per device, arguments and
+    outputs; XLA:CPU counts arguments in host memory (``S(5)`` in the entry layout) in
+    ``argument_size_in_bytes`` (its ``host_*`` fields stay 0), so the device column takes
+    those out, read from the program's input/output shardings. Slots on the device: device
+    arguments less the replicated variant's, plus its slot bytes. Time: each paramstore step
+    against a hand-written ``jax.jit`` with the same in/out shardings and memory kinds, the
+    host slots moved by ``jax.device_put`` inside it; medians, interleaved."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import step as single  # step.py's MLP: its initial values, data and forward pass
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import paramstore as ps
+
+    layers, width, batch = (2, 256, 64) if args.quick else (4, 512, 64)
+    steps, repeats = (3, 2) if args.quick else (10, 5)
+    lr, host = 1e-3, "pinned_host"
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    cfg = single.Config(f"{layers} x {width}", layers, width, batch)
+    init, mlp = single.init_params(cfg), single.mlp
+    x, y = (jax.device_put(a, split) for a in single.data(cfg))
+    param_bytes = sum(w.nbytes + b.nbytes for w, b in init)
+
+    placements = {  # name: (slot spec, memory kind)
+        "replicated slots (default)": (P(), None),
+        "ZeRO-1 (slots split over data)": (P("data"), None),
+        "slots in pinned_host": (P(), host),
+        "ZeRO-1 + pinned_host": (P("data"), host),
+    }
+
+    def reference(spec: Any, kind: str | None) -> tuple[Callable[[], object], Any]:
+        tx = optax.adam(lr)
+        slot_sh = NamedSharding(mesh, spec, memory_kind=kind)
+        on_device = NamedSharding(mesh, spec)
+        params = jax.device_put([(w, b) for w, b in init], rep)
+        state0 = tx.init(params)
+        state_sh = jax.tree.map(lambda a: slot_sh if a.ndim else rep, state0)
+        state = [params, jax.device_put(state0, state_sh)]
+
+        def step(params, opt_state, x, y):
+            if kind is not None:  # host slots: to the device for the update
+                opt_state = jax.tree.map(
+                    lambda a, sh: jax.device_put(a, on_device) if sh is slot_sh else a,
+                    opt_state,
+                    state_sh,
+                )
+            loss, g = jax.value_and_grad(lambda p: jnp.mean((mlp(p, x) - y) ** 2))(params)
+            updates, opt_state = tx.update(g, opt_state, params)
+            opt_state = jax.tree.map(
+                lambda a, sh: jax.device_put(a, sh) if sh is slot_sh else a, opt_state, state_sh
+            )
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        jitted = jax.jit(
+            step,
+            in_shardings=(rep, state_sh, split, split),
+            out_shardings=(rep, state_sh, rep),
+            donate_argnums=(0, 1),
+        )
+
+        def run() -> object:
+            state[0], state[1], loss = jitted(state[0], state[1], x, y)
+            return loss
+
+        return run, jitted.lower(state[0], state[1], x, y).compile()
+
+    def paramstore(spec: Any, kind: str | None) -> tuple[Callable[[], object], Any]:
+        with ps.device(mesh):
+            model = [
+                (ps.Variable(w, name=f"w{i}"), ps.Variable(b, name=f"b{i}"))
+                for i, (w, b) in enumerate(init)
+            ]
+        vs = [v for pair in model for v in pair]
+        slot_sharding = None if spec == P() else NamedSharding(mesh, spec)
+        opt = ps.Optimizer(optax.adam(lr), vs, slot_sharding=slot_sharding, slot_memory_kind=kind)
+
+        @ps.function
+        def step(x, y):
+            loss, grads = ps.value_and_grad(lambda: jnp.mean((mlp(model, x) - y) ** 2), vs)()
+            opt.apply_gradients(grads)
+            return loss
+
+        return (lambda: step(x, y)), step.lower(x, y).compile()
+
+    def device_bytes(compiled: Any) -> tuple[int, int, int]:
+        """(arguments, of which in host memory, outputs on the device) per device."""
+        stats = compiled.memory_analysis()
+
+        def host_bytes(pairs: Any) -> int:
+            return sum(
+                int(np.prod(sh.shard_shape(a.shape))) * a.dtype.itemsize
+                for sh, a in pairs
+                if sh.memory_kind == host
+            )
+
+        ins = host_bytes(
+            zip(jax.tree.leaves(compiled.input_shardings[0]), jax.tree.leaves(compiled.in_avals[0]))
+        )
+        outs = host_bytes((o.sharding, o) for o in jax.tree.leaves(compiled.out_info))
+        return stats.argument_size_in_bytes, ins, stats.output_size_in_bytes - outs
+
+    print(
+        f"\n# optimizer state placement: Adam, MLP {layers} x {width} (parameters "
+        f"{param_bytes / 2**20:.2f} MiB, Adam slots {2 * param_bytes / 2**20:.2f} MiB), batch "
+        f"{batch} over {n} devices, parameters replicated; {steps} steps, median of {repeats}"
+    )
+    runs: dict[str, Callable[[], object]] = {}
+    memory: dict[str, tuple[int, int, int]] = {}
+    programs: dict[str, str] = {}
+    with ps.VariableStore():
+        for name, (spec, kind) in placements.items():
+            for who, build in (("ps.function", paramstore), ("jax.jit", reference)):
+                run, compiled = build(spec, kind)
+                jax.block_until_ready(run())  # warm up
+                runs[f"{name}|{who}"] = run
+                memory[f"{name}|{who}"] = device_bytes(compiled)
+                programs[f"{name}|{who}"] = _program_summary(compiled)
+        times = _interleaved(runs, steps, repeats)
+    mib = 2**20
+    base_args, base_host, _ = memory[f"{next(iter(placements))}|ps.function"]
+    base_slots = 2 * param_bytes  # replicated: every device holds all of mu and nu
+    print(
+        f"{'placement':30} {'args MiB':>9} {'host':>6} {'device':>7} {'jax.jit':>8} "
+        f"{'out dev':>8} {'slots dev':>10} {'/ repl.':>8} {'ps ms':>8} {'jax.jit ms':>11} "
+        f"{'ratio':>6}"
+    )
+    worst = 0.0
+    for name in placements:
+        args_b, host_b, out_b = memory[f"{name}|ps.function"]
+        ref_args, ref_host, _ = memory[f"{name}|jax.jit"]
+        slots_dev = (args_b - host_b) - (base_args - base_host) + base_slots
+        ps_t = times[f"{name}|ps.function"][0]
+        ref_t = times[f"{name}|jax.jit"][0]
+        worst = max(worst, ps_t / ref_t)
+        print(
+            f"{name:30} {args_b / mib:9.3f} {host_b / mib:6.3f} {(args_b - host_b) / mib:7.3f} "
+            f"{(ref_args - ref_host) / mib:8.3f} {out_b / mib:8.3f} {slots_dev / mib:10.3f} "
+            f"{slots_dev / base_slots:8.3f} {ps_t * 1e3:8.2f} {ref_t * 1e3:11.2f} "
+            f"{ps_t / ref_t:6.2f}"
+        )
+    for name in placements:
+        ours, theirs = programs[f"{name}|ps.function"], programs[f"{name}|jax.jit"]
+        if ours == theirs:
+            print(f"  {name}: ps.function and jax.jit programs alike: {ours}")
+        else:
+            print(f"  {name}: ps.function {ours}\n  {'':{len(name)}}  jax.jit     {theirs}")
+    print(
+        "per device; args: memory_analysis().argument_size_in_bytes, host: those in "
+        "pinned_host (S(5)), device: args - host (jax.jit: the hand-written step's), out dev: "
+        "outputs on the device; ms: blocking step, median"
+    )
+    print(
+        f"targets: ZeRO-1 slots on device <= {1 / n + 0.05:.3f} of replicated; pinned_host "
+        f"slots 0 on device; ps.function / jax.jit <= 1.05x (worst here {worst:.2f}x)"
+    )
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Each alias says what a parameter accepts, matching what the code does with it at
   ``{name: Variable}``, and lists or tuples of these. (Other JAX pytrees of variables are
   accepted at run time too; no static type can name them: ``typing.cast`` them.)
 * ``ShardingTargets``: where ``reshard`` / ``Saver.restore(sharding=)`` put variables.
+* ``SlotSharding``: where ``ps.Optimizer(slot_sharding=)`` puts each parameter's slots.
 * ``Trackable``: what ``ps.Checkpoint(**objects)`` tracks (``VariablesLike``, Checkpoints,
   dicts and lists of these).
 * ``PyTree``: any JAX pytree (``Any``, as in JAX: its leaves and nodes are the user's).
@@ -48,6 +49,7 @@ from jax.sharding import Mesh, Sharding
 from jax.typing import ArrayLike, DTypeLike
 
 if TYPE_CHECKING:
+    from paramstore._core.layout import LayoutMap
     from paramstore._core.placement import Layouts
     from paramstore._core.store import VariableStore
     from paramstore.checkpoint.objects import Checkpoint
@@ -68,6 +70,7 @@ __all__ = [
     "Shape",
     "ShapeLike",
     "ShardingTargets",
+    "SlotSharding",
     "Trackable",
     "ValueLike",
     "VariablesLike",
@@ -126,6 +129,11 @@ ShardingTargets: TypeAlias = (
 """Where ``ps.sharding.reshard`` (and ``Saver.restore(sharding=)``) puts variables: one
 ``Sharding`` for all (a ``Mesh``: replicated over it), a dict ``{variable full name:
 Sharding}``, or a callable ``variable -> Sharding | None`` (None: the variable stays)."""
+
+SlotSharding: TypeAlias = Union["LayoutMap", Sharding, Callable[["Variable"], Sharding | None]]
+"""Where ``ps.Optimizer(slot_sharding=)`` puts the slots of each parameter: a
+``ps.sharding.LayoutMap`` looked up with the parameter's name, one ``Sharding`` for all, or a
+callable ``parameter -> Sharding | None`` (None: the parameter's own sharding)."""
 
 
 class HasState(Protocol):

@@ -15,7 +15,11 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 def run(script: str, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(BENCH.parent)},  # this checkout's paramstore
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -106,3 +110,20 @@ def test_repeat_abstract_benchmark_prints_its_rows_and_ratios():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| abstract build n=48" in done.stdout and "initialize n=2 / concrete" in done.stdout
+
+
+@pytest.mark.slow
+def test_sharded_benchmark_prints_the_optimizer_placement_rows():
+    """The optimizer-state rows only (the other row groups take minutes); the memory
+    figures are exact, so the smallest size checks them too."""
+    out = run("sharded.py", "--quick", "--rows", "optimizer")
+    rows = {
+        line[:30].strip(): line[30:].split()
+        for line in out.splitlines()
+        if line.startswith(("replicated", "ZeRO-1", "slots in"))
+    }
+    assert len(rows) == 4, out
+    slots = {name: float(cells[6]) for name, cells in rows.items()}  # "/ repl." column
+    assert slots["replicated slots (default)"] == 1.0
+    assert slots["ZeRO-1 (slots split over data)"] <= 1 / 8 + 0.05
+    assert slots["slots in pinned_host"] == slots["ZeRO-1 + pinned_host"] == 0.0

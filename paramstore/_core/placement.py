@@ -38,6 +38,8 @@ __all__ = [
     "place",
     "replicated",
     "describe",
+    "device_memory_kind",
+    "in_host_memory",
 ]
 
 
@@ -240,3 +242,16 @@ def replicated(where: Sharding | Mesh) -> Sharding:
     if len(devices) == 1:
         return SingleDeviceSharding(devices[0])
     return NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
+
+
+def device_memory_kind(sharding: Sharding) -> str:
+    """The default memory kind of ``sharding``'s devices (``"device"`` on CPU, GPU, TPU)."""
+    first: Any = next(iter(sharding.device_set))  # (jax's stubs lack default_memory)
+    return str(first.default_memory().kind)
+
+
+def in_host_memory(sharding: Sharding) -> bool:
+    """Whether ``sharding`` puts its array in a memory other than its devices' default
+    (``"pinned_host"``: an optimizer's offloaded slots)."""
+    kind = sharding.memory_kind
+    return kind is not None and kind != device_memory_kind(sharding)

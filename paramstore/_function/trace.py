@@ -24,6 +24,7 @@ from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
 from paramstore._core.jax_api import init_program, pure_jaxpr
 from paramstore._core.ownership import ownership
+from paramstore._core.placement import in_host_memory
 from paramstore._function.entry import Entry
 from paramstore._function.static import merge
 from paramstore.module import Module
@@ -279,8 +280,10 @@ def _runner(
     # out_shardings; a with_sharding_constraint would hand back an equivalent but
     # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
     # next call sees the same input shardings (no recompilation) and placement is kept.
+    # (A variable in host memory, e.g. an optimizer slot with slot_memory_kind=, keeps
+    # its memory kind the same way, even on one device.)
     keep = [
-        sh if len(sh.device_set) > 1 else None
+        sh if len(sh.device_set) > 1 or in_host_memory(sh) else None
         for sh in (ownership.peek(v).sharding for v in assigned)
     ]
     has_keep = any(sh is not None for sh in keep)

@@ -2,7 +2,8 @@
 
 Contract (docs/api.md, "Optimizers"):
 
-* ``Optimizer(tx, variables, *, name=None, jit_compile=True)``. ``variables`` is any
+* ``Optimizer(tx, variables, *, name=None, jit_compile=True, slot_sharding=None,
+  slot_memory_kind=None)``. ``variables`` is any
   collection ``ps.grad`` accepts, read by the same parser (``paramstore._collect``): a
   list or tuple of Variables, a dict ``{key: Variable}``, a Module (then its
   ``trainable_variables`` *at construction*: build the model before its optimizer), Modules
@@ -29,7 +30,8 @@ Contract (docs/api.md, "Optimizers"):
   a per-parameter slot is ``"<opt>/<variable name>/<slot>"`` (``"optimizer/dense/w/mu"``),
   anything else ``"<opt>/<path>"`` (``"optimizer/count"``,
   ``"optimizer/hyperparams/learning_rate"``); list indices of ``optax.chain`` are left out
-  unless two names would collide. Slots are placed like their variable (same sharding);
+  unless two names would collide. Slots are placed like their variable (same sharding;
+  see ``slot_sharding`` below);
   counters and other shared state replicated over the first variable's devices.
   In a ``ps.Checkpoint`` a slot is keyed by its parameter's path and its optax path
   (``optimizer/model/dense/kernel/mu``), never by position (``_ps_children`` gives the
@@ -39,6 +41,9 @@ Contract (docs/api.md, "Optimizers"):
   counter, incremented by each ``apply_gradients``) first. An Optimizer is a
   ``ps.Module``: held as an attribute of another Module, its state is part of that
   module's ``variables``.
+* ``slot_sharding`` places each parameter's slots instead of its own sharding (ZeRO-1) and
+  ``slot_memory_kind="pinned_host"`` keeps them in host memory, moved to the device for the
+  update inside the compiled step: ``paramstore.optimizer.placement`` has the contract.
 * Over abstract variables (``ps.abstract()``) the state is abstract too, same names and
   shardings (``paramstore.optimizer.abstract``): a checkpoint restore or ``ps.initialize``
   makes it concrete (docs/sharding.md, "Abstract models").
@@ -84,6 +89,7 @@ from paramstore._traverse import Key, Relative
 from paramstore._variable import abstract as _abstract
 from paramstore.function import function
 from paramstore.module import Module
+from paramstore.optimizer import placement
 from paramstore.optimizer.abstract import abstract_state, any_abstract, defer_init
 from paramstore.optimizer.grads import Targets
 from paramstore.optimizer.slots import (
@@ -92,7 +98,7 @@ from paramstore.optimizer.slots import (
     slot_names,
     state_sharding,
 )
-from paramstore.typing import ValueLike, VariablesLike
+from paramstore.typing import SlotSharding, ValueLike, VariablesLike
 from paramstore.variable import Variable
 
 __all__ = ["Optimizer"]
@@ -110,6 +116,7 @@ _OWN_ATTRIBUTES = frozenset(
         "_state_keys",
         "_hyper",
         "_compiled",
+        "_placement",
     )
 )
 
@@ -156,12 +163,24 @@ class Optimizer(Module):
             return loss
     """
 
-    def __new__(cls, *args: Any, name: Any = None, **kwargs: Any) -> Optimizer:
+    def __new__(
+        cls,
+        *args: Any,
+        name: Any = None,
+        slot_sharding: Any = None,
+        slot_memory_kind: Any = None,
+        **kwargs: Any,
+    ) -> Optimizer:
         if name is not None and not isinstance(name, str):  # before any scope is reserved
             raise TypeError(
                 f"ps.Optimizer: name must be a str such as 'adam', got {type(name).__name__} "
                 f"{name!r}."
             )
+        variables = args[1] if len(args) > 1 else kwargs.get("variables")
+        placed = slot_sharding is not None or slot_memory_kind is not None
+        if placed and variables is not None:
+            params = list(Targets.parse(variables).param_keys().values())
+            placement.check(slot_sharding, slot_memory_kind, params)  # so is this
         return super().__new__(cls)
 
     def __init__(
@@ -171,6 +190,8 @@ class Optimizer(Module):
         *,
         name: str | None = None,
         jit_compile: bool = True,
+        slot_sharding: SlotSharding | None = None,
+        slot_memory_kind: str | None = None,
     ) -> None:
         _check_tx(tx, variables)
         targets = Targets.parse(variables)
@@ -190,6 +211,10 @@ class Optimizer(Module):
             paths = [p for p, _ in path_leaves]
             leaves = [leaf if abstract else _as_state_array(p, leaf) for p, leaf in path_leaves]
         names, owners = slot_names(paths, [a.shape for a in leaves], targets.param_keys())
+        self._placement = _Hidden(
+            placement.plan(slot_sharding, slot_memory_kind, owners, leaves, replicated)
+        )
+        leaves, homes = self._placement.value.initial(leaves)
         # each slot exactly where its variable is, whatever ps.device says
         with unplaced(), _abstract.abstract() if abstract else contextlib.nullcontext():
             self._iterations = Variable(
@@ -199,13 +224,11 @@ class Optimizer(Module):
                 sharding=state_sharding(None, zero, replicated),
             )
             self._state_variables = [
-                Variable(
-                    arr, trainable=False, name=slot, sharding=state_sharding(owner, arr, replicated)
-                )
-                for arr, slot, owner in zip(leaves, names, owners)
+                Variable(arr, trainable=False, name=slot, sharding=home)
+                for arr, slot, home in zip(leaves, names, homes)
             ]
         if abstract:
-            defer_init(tx, targets, self._state_variables)
+            defer_init(tx, targets, self._state_variables, self._placement.value.active)
         # checkpoint keys: a slot under its parameter's path, never its position
         self._state_keys: list[Key] = [
             slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
@@ -341,7 +364,9 @@ class Optimizer(Module):
         targets: Targets = self._targets.value
         params = targets.params()
         state_vars: list[Variable] = self._state_variables
-        state = jax.tree_util.tree_unflatten(self._treedef, [v.value() for v in state_vars])
+        place = self._placement.value
+        values = place.fetch([v.value() for v in state_vars])  # where the update is computed
+        state = jax.tree_util.tree_unflatten(self._treedef, values)
         updates, new_state = self._tx.update(grads, state, params, **extra_args)
         new_params = targets.entries(optax.apply_updates(params, updates))
         new_leaves, new_def = jax.tree_util.tree_flatten(new_state)
@@ -360,6 +385,8 @@ class Optimizer(Module):
                     f"{var.shape} to {tuple(x.shape)}."
                 )
             writes.append((var, x.astype(var.dtype) if x.dtype != var.dtype else x))
+        homed = place.store([x for _, x in writes])  # back where the slots live
+        writes = [(var, x) for (var, _), x in zip(writes, homed)]
         for var, x, opt in zip(targets.variables, new_params, targets.optimized):
             if not opt:
                 continue

@@ -53,18 +53,25 @@ def abstract_state(tx: optax.GradientTransformation, targets: Targets) -> Any:
 
 
 def defer_init(
-    tx: optax.GradientTransformation, targets: Targets, state: Sequence[Variable]
+    tx: optax.GradientTransformation,
+    targets: Targets,
+    state: Sequence[Variable],
+    placed: bool = False,
 ) -> None:
     """Give the abstract ``state`` variables (aligned with the flattened optax state) one
     joint initializer: ``tx.init`` on the parameters' values, run once by ``ps.initialize``
-    when the parameters are concrete."""
+    when the parameters are concrete. ``placed``: the state has placements of its own
+    (``slot_sharding=``, ``slot_memory_kind=``), so the values are computed straight onto
+    the state variables' shardings."""
 
     def init(params: Any) -> list[Any]:
         leaves = jax.tree_util.tree_leaves(tx.init(params))
         return [jnp.asarray(a, dtype=jnp.result_type(a)) for a in leaves]
 
+    shardings = [v.sharding for v in state] if placed else None
+
     def compute() -> list[Any]:
-        return list(jax.jit(init)(targets.params()))
+        return list(jax.jit(init, out_shardings=shardings)(targets.params()))
 
     reads = [v for v, o in zip(targets.variables, targets.optimized) if o]
     for j, var in enumerate(state):

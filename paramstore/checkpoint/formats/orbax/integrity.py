@@ -44,6 +44,7 @@ import xxhash
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from paramstore._core.placement import in_host_memory
 from paramstore.checkpoint.formats.safetensors.format import MAX_DEPTH, json_depth
 
 Box = tuple[tuple[int, int], ...]  # a shard's [start, stop) per dimension of the global array
@@ -199,7 +200,9 @@ def dispatch_sums(values: Mapping[str, Any]) -> dict[str, Pending]:
         if not isinstance(x, jax.Array):
             x = jax.device_put(np.asarray(x), jax.devices("cpu")[0])
         sharding = x.sharding
-        if (
+        if in_host_memory(sharding):  # (optimizer slots offloaded to host memory)
+            out[key] = _per_shard(x, on_host=True)
+        elif (
             isinstance(sharding, NamedSharding)
             and isinstance(sharding.mesh, Mesh)
             and len(sharding.device_set) > 1
@@ -227,8 +230,10 @@ def _padded_spec(spec: Any, ndim: int) -> tuple[Any, ...]:
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
-def _per_shard(x: jax.Array) -> Pending:
-    """A program per shard, on its device (single-device and non-named shardings)."""
+def _per_shard(x: jax.Array, on_host: bool = False) -> Pending:
+    """A program per shard, on its device (single-device and non-named shardings); with
+    ``on_host`` (an array in host memory) on a CPU device, from the shard's host bytes,
+    so that checkpointing offloaded state takes no accelerator memory."""
     shape = tuple(x.shape)
     stride = _strides(shape)
     out = []
@@ -237,8 +242,11 @@ def _per_shard(x: jax.Array) -> Pending:
             continue
         box = _box(shard.index, shape)
         start = np.asarray([b[0] % 2**32 for b in box], np.uint32)
-        args = jax.device_put((start, stride), shard.data.devices().pop())
-        out.append((box, _shard_sums(shard.data, *args)[None], 0))
+        data = shard.data
+        if on_host:
+            data = jax.device_put(np.asarray(data), jax.devices("cpu")[0])
+        args = jax.device_put((start, stride), data.devices().pop())
+        out.append((box, _shard_sums(data, *args)[None], 0))
     return out
 
 
