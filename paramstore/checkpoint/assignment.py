@@ -149,11 +149,11 @@ def _from_pairs(
     used: set[int] = set()
     targets = []
     for name in sorted(names):
-        for i, (pattern, replacements) in enumerate(compiled):
-            m = pattern.fullmatch(name)
+        matches = [(i, pattern.fullmatch(name)) for i, (pattern, _) in enumerate(compiled)]
+        used.update(i for i, m in matches if m is not None)
+        for (_, m), (pattern, replacements) in zip(matches, compiled):
             if m is None:
                 continue
-            used.add(i)
             for r in replacements:
                 if isinstance(r, Variable):
                     targets.append(Target(name, r, None))

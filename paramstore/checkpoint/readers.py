@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterator
 
 from paramstore.checkpoint.format import CheckpointError, PathLike, Reader
-from paramstore.checkpoint.formats.orbax import format as _orbax
 from paramstore.checkpoint.formats.huggingface import read as _hf
+from paramstore.checkpoint.formats.orbax import format as _orbax
 from paramstore.checkpoint.formats.orbax import read as _orbax_read
 from paramstore.checkpoint.formats.tensorflow import checkpoint as _tf
 from paramstore.checkpoint.formats.tensorflow.keras import KerasWeights, is_hdf5

@@ -170,7 +170,7 @@ def _value(
         sources = [_source(r, t, chains[t.label], cast) for t in by_layer]
     stacked = group[0].index is not None
 
-    def shard(index: tuple[slice, ...]) -> np.ndarray:
+    def shard(index: Any) -> np.ndarray:
         if not stacked:
             part = np.asarray(sources[0][index])
         else:

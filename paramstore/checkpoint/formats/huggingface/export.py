@@ -49,7 +49,9 @@ def export_safetensors(
     ``export_safetensors``); returns the file or directory written."""
     path = os.fspath(path)
     if max_shard_size is not None and (
-        isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1
+        isinstance(max_shard_size, bool)
+        or not isinstance(max_shard_size, int)
+        or max_shard_size < 1
     ):
         raise ValueError(
             f"export_safetensors: max_shard_size must be a positive number of bytes, got "
@@ -89,8 +91,7 @@ def _tensors(variables: Any, names: Names | None) -> list[Tensor]:
                 )
             if not isinstance(v, (Variable, np.ndarray, jax.Array)):
                 raise TypeError(
-                    f"export_safetensors: '{k}' is a {type(v).__name__}; give Variables or "
-                    "arrays."
+                    f"export_safetensors: '{k}' is a {type(v).__name__}; give Variables or arrays."
                 )
     else:
         items = list(zip(*named(source)))
@@ -156,7 +157,7 @@ def _check_value(key: str, value: Any) -> None:
 
 def _nbytes(t: Tensor) -> int:
     value = t[2]
-    return int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+    return int(np.prod(value.shape, dtype=np.int64)) * int(np.dtype(value.dtype).itemsize)
 
 
 def _plan(tensors: list[Tensor], max_shard_size: int | None) -> list[list[Tensor]]:
@@ -215,7 +216,7 @@ def _write_aside(path: str, shard: list[Tensor]) -> str:
             f.write(_header(shard))
             for _, _, value in shard:  # one at a time: at most one host copy alive
                 arr = _host(value)
-                f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+                f.write(arr.reshape(-1).view(np.uint8).data)
                 del arr
             f.flush()
             os.fsync(f.fileno())
