@@ -153,10 +153,11 @@ def _value(
     r: Reader, v: Variable, group: list[Target], chains: Mapping[str, list[Any]], cast: bool
 ) -> Any:
     """The new value of ``v`` on its sharding, read from its target(s) now."""
-    sharding = v.sharding
-    if is_string(np.dtype(v.dtype)) or sharding is None:
+    if is_string(np.dtype(v.dtype)):
         (t,) = group
         return r.load({t.ckpt: None})[t.ckpt]
+    # an abstract variable made outside any ps.device block has no sharding: the default device
+    sharding = v.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     dtype = np.dtype(v.dtype)
     if len(group) == 1 and group[0].index is None and not chains[group[0].label]:
         t = group[0]
