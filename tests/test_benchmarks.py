@@ -106,3 +106,22 @@ def test_repeat_abstract_benchmark_prints_its_rows_and_ratios():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| abstract build n=48" in done.stdout and "initialize n=2 / concrete" in done.stdout
+
+
+@pytest.mark.slow
+def test_pretrained_benchmark_prints_its_rows_and_ratios():
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "pretrained.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(BENCH.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in (
+        "| load_file + device_put [reference]",
+        "| init_from_checkpoint (abstract, FSDP)",
+        "| export_safetensors (sharded variables)",
+        "| examples/gpt2.py load + first logits",
+    ):
+        assert row in done.stdout, done.stdout

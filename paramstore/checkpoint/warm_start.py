@@ -34,6 +34,7 @@ Contract (docs/guides/pretrained.md, docs/api.md "Pretrained weights"):
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,6 +45,7 @@ import numpy as np
 
 from paramstore.checkpoint.assignment import Target, compile_pattern, resolve
 from paramstore.checkpoint.format import PathLike, Reader, dtype_name, is_string
+from paramstore.checkpoint.io import aligned_empty
 from paramstore.checkpoint.readers import opened
 from paramstore.checkpoint.saver import assign_all, check_assignable, outside_traces
 from paramstore.scope import default_store
@@ -172,12 +174,16 @@ def _value(
     stacked = group[0].index is not None
 
     def shard(index: Any) -> np.ndarray:
+        # A new 64-byte-aligned buffer, which JAX on CPU adopts without another copy (and no
+        # view of the file: a device buffer must not change if the file does).
+        shape = tuple(len(range(*ix.indices(n))) for ix, n in zip(index, v.shape))
+        out = aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
         if not stacked:
-            part = np.asarray(sources[0][index])
+            np.copyto(out, np.asarray(sources[0][index]), casting="unsafe")
         else:
-            rest = index[1:]
-            part = np.stack([np.asarray(s[rest]) for s in sources[index[0]]])
-        return np.array(part, dtype=dtype, copy=True)  # owned: no view of the file
+            for j, s in enumerate(sources[index[0]]):
+                np.copyto(out[j], np.asarray(s[index[1:]]), casting="unsafe")
+        return out
 
     return jax.make_array_from_callback(tuple(v.shape), sharding, shard)
 
