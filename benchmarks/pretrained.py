@@ -56,25 +56,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
+from sharded import _peak_rss_reset as _peak_reset  # noqa: E402 - the same memory probes
+from sharded import _rss  # noqa: E402
 
 import paramstore as ps  # noqa: E402
 
 MiB = 2**20
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _peak_reset() -> int:
-    """Reset the peak RSS (Linux ``clear_refs`` 5); the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss("VmRSS")
 
 
 def _trim() -> None:

@@ -4,31 +4,22 @@ its export loads back into GPT2LMHeadModel.from_pretrained with paramstore's log
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _examples import load_example
 
 import paramstore as ps
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-PATH = Path(__file__).resolve().parents[2] / "examples" / "gpt2.py"
-
 
 def _example():
-    spec = importlib.util.spec_from_file_location("gpt2_example", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_example("gpt2")
 
 
 @pytest.fixture(scope="module")
