@@ -28,7 +28,7 @@ import pytest
 from _multidevice import multi_device_tests, run_checks
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 import paramstore as ps
 from paramstore.checkpoint import CheckpointError, init_from_checkpoint
@@ -341,6 +341,21 @@ def check_plain_sharded_variables_keep_their_sharding():
         init_from_checkpoint(path, {"x": v})
     assert v.sharding == sharding
     np.testing.assert_array_equal(v.numpy(), x)
+
+
+@check
+def check_export_gathers_sharded_variables_and_reads_back_sharded():
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    sharding = NamedSharding(mesh, P("fsdp", None))
+    x = np.arange(64, dtype=np.float32).reshape(16, 4)
+    v = ps.Variable(jax.device_put(x.astype(ml_dtypes.bfloat16), sharding), name="enc/w")
+    with tempfile.TemporaryDirectory() as d:
+        path = ps.checkpoint.export_safetensors(os.path.join(d, "m.safetensors"), [v])
+        np.testing.assert_array_equal(load_file(path)["enc/w"].astype(np.float32), x)
+        w = ps.Variable(jax.device_put(jnp.zeros((16, 4)), sharding), name="dec/w")
+        init_from_checkpoint(path, {"enc/": "dec/"}, cast=True, allow_unverified=True)
+    assert w.sharding == sharding
+    np.testing.assert_array_equal(w.numpy(), x)
 
 
 warm_start_results, test_multi_device = multi_device_tests(CHECKS, __file__, "warm_start_results")
