@@ -94,11 +94,12 @@ def init_from_checkpoint(
         groups: dict[int, list[Target]] = {}
         for t in targets:
             groups.setdefault(id(t.var), []).append(t)
-        values = {}
-        for group in groups.values():
-            v = group[0].var
-            values[v.name] = _value(r, v, group, chains, cast)
-        present = {group[0].var.name: group[0].var for group in groups.values()}
+        # keyed by position: two variables of one name (from two stores) stay apart
+        present = {str(i): group[0].var for i, group in enumerate(groups.values())}
+        values = {
+            str(i): _value(r, group[0].var, group, chains, cast)
+            for i, group in enumerate(groups.values())
+        }
         assign_all(present, values, {})
     return {t.label: t.ckpt for t in sorted(targets, key=lambda t: t.label)}
 
