@@ -125,6 +125,12 @@ def _break(directory, how):
         data["weight_map"]["a.weight"] = "../x.safetensors"
     elif how == "absolute path":
         data["weight_map"]["a.weight"] = os.path.abspath(first)
+    elif how == "link outside":
+        outside = os.path.join(os.path.dirname(directory), "elsewhere.safetensors")
+        os.replace(first, outside)
+        os.symlink(outside, first)
+    elif how == "no weight_map":
+        data = {"metadata": {}}
     with open(index, "w") as f:
         json.dump(data, f)
     return index
@@ -150,13 +156,17 @@ def _break(directory, how):
         ("not json", r"index '.*model.safetensors.index.json' is corrupt: it is not valid JSON"),
         ("parent path", r"names shard file '../x.safetensors', which is not a file name inside"),
         ("absolute path", r"names shard file '/.*', which is not a file name inside"),
+        ("link outside", r"shard file 'model-00001-of-00002.safetensors', a link to '.*' outside"),
+        ("no weight_map", r"index '.*' is corrupt: it lacks a 'weight_map' object"),
     ],
 )
 def test_malformed_sharded_checkpoints_are_refused(tmp_path, fresh_store, how, match):
-    index = _break(str(tmp_path), how)
+    directory = tmp_path / "ckpt"  # a link "outside" goes to tmp_path
+    directory.mkdir()
+    index = _break(str(directory), how)
     w = ps.Variable(jnp.zeros((3, 4)), name="w")
     with pytest.raises(CheckpointError, match=match):
-        init_from_checkpoint(tmp_path, {"a.weight": w}, allow_unverified=True)
+        init_from_checkpoint(directory, {"a.weight": w}, allow_unverified=True)
     with pytest.raises(CheckpointError, match=match):
         list_variables(index, allow_unverified=True)
     assert not w.numpy().any()
