@@ -127,3 +127,22 @@ def test_sharded_benchmark_prints_the_optimizer_placement_rows():
     assert slots["replicated slots (default)"] == 1.0
     assert slots["ZeRO-1 (slots split over data)"] <= 1 / 8 + 0.05
     assert slots["slots in pinned_host"] == slots["ZeRO-1 + pinned_host"] == 0.0
+
+
+@pytest.mark.slow
+def test_pretrained_benchmark_prints_its_rows_and_ratios():
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "pretrained.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(BENCH.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in (
+        "| load_file + device_put [reference]",
+        "| init_from_checkpoint (abstract, FSDP)",
+        "| export_safetensors (sharded variables)",
+        "| examples/gpt2.py load + first logits",
+    ):
+        assert row in done.stdout, done.stdout

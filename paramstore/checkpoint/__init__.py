@@ -46,6 +46,12 @@ Contract (the file format is described in docs/checkpoints.md):
   it, and restoring recognises the format from what is on disk. ``restore(...,
   sharding=...)`` restores onto new shardings (another mesh), checked before anything is
   read.
+* Pretrained weights (docs/guides/pretrained.md): ``init_from_checkpoint`` is TF1's warm
+  start (assignment maps, regex pairs, transforms, casts) from every format above and from
+  Hugging Face safetensors (a file, a ``model.safetensors.index.json`` with its shards, or a
+  directory holding either; read with ``allow_unverified=True``, which ``list_variables``,
+  ``load_variable`` and ``Saver.restore`` accept too); ``export_safetensors`` writes plain
+  safetensors in Hugging Face's layout.
 """
 
 from __future__ import annotations
@@ -53,11 +59,14 @@ from __future__ import annotations
 import numpy as np
 
 from paramstore.checkpoint.format import CheckpointError, PathLike, no_such_variable
+from paramstore.checkpoint.formats.huggingface import export as _export
 from paramstore.checkpoint.formats.safetensors.file import write_arrays
 from paramstore.checkpoint.formats.safetensors.format import FORMAT_VERSION
 from paramstore.checkpoint.manager import CheckpointManager
 from paramstore.checkpoint.readers import open_reader, opened
 from paramstore.checkpoint.saver import Saver
+from paramstore.checkpoint.warm_start import init_from_checkpoint
+from paramstore.typing import VariablesLike
 
 __all__ = [
     "Saver",
@@ -65,6 +74,8 @@ __all__ = [
     "CheckpointError",
     "list_variables",
     "load_variable",
+    "init_from_checkpoint",
+    "export_safetensors",
     "open_reader",
     "write_arrays",
     "read_arrays",
@@ -103,3 +114,33 @@ def read_arrays(path: PathLike, *, allow_unverified: bool = False) -> dict[str, 
     """Every value of a checkpoint as ``{name: NumPy array}`` (checksums verified)."""
     with opened(path, allow_unverified) as r:
         return r.load(dict.fromkeys(r.entries))
+
+
+def export_safetensors(
+    path: PathLike,
+    variables: VariablesLike | None,
+    *,
+    names: _export.Names | None = None,
+    max_shard_size: int | None = None,
+) -> str:
+    """Write ``variables`` as plain safetensors that the ``safetensors`` library and
+    ``transformers`` load, with the variables' dtypes (bfloat16 included) and no paramstore
+    metadata (``__metadata__`` is ``{"format": "pt"}``, as ``transformers`` expects).
+
+    ``variables``: any collection ``ps.Saver`` accepts (None: the default store's live
+    variables; a dict ``{name: Variable}``, whose values may also be arrays; a list; a
+    Module). ``names``: a dict (its keys must be names of ``variables``; a variable it does
+    not list keeps its name) or a callable mapping a full name to the name in the file,
+    ``None`` to leave the variable out. ``max_shard_size`` (bytes): when the tensors exceed
+    it, they are split into ``model-00001-of-0000N.safetensors`` files (a tensor bigger than
+    that alone in its file) with ``model.safetensors.index.json`` (``metadata.total_size``,
+    ``weight_map``), in directory ``path``. A ``path`` that is an existing directory (a
+    Hugging Face model directory) receives ``model.safetensors`` or the shards and index,
+    and the files of an earlier export there that the new one does not use are removed.
+
+    Atomic: every name, shape and dtype is checked before anything is written (two
+    variables for one name, a name that is not a str, a dtype safetensors lacks: ValueError
+    or TypeError, nothing written); each file is written aside and renamed into place (the
+    index last; a new shard directory renamed whole). Streaming: one variable at a time is
+    copied to the host (a sharded one gathered) and written. Returns the path written."""
+    return _export.export_safetensors(path, variables, names=names, max_shard_size=max_shard_size)

@@ -2,7 +2,9 @@
 
 ``open_reader`` resolves a path (a manager directory: its latest checkpoint) and opens the
 ``checkpoint.format.Reader`` of what is there: a sharded Orbax directory, a TensorFlow checkpoint
-prefix or directory, a Keras ``.weights.h5`` file, or a paramstore file. A path that is not
+prefix or directory, a Keras ``.weights.h5`` file, a Hugging Face checkpoint
+(``model.safetensors.index.json``, or a directory holding it or ``model.safetensors``), or a
+safetensors file (paramstore's own, or a foreign one read unverified). A path that is not
 a regular file or a directory (a FIFO, a device) is refused before anything opens it.
 ``scan`` lists the ``ckpt-<step>`` checkpoints of a manager's directory, in write order;
 ``opened`` reads again what a writer in another process replaced meanwhile.
@@ -18,9 +20,9 @@ from typing import Any
 
 from paramstore.checkpoint.atomic import order_key
 from paramstore.checkpoint.format import CheckpointError, EntryInfo, PathLike, Reader
+from paramstore.checkpoint.formats.huggingface import read as _hf
 from paramstore.checkpoint.formats.orbax import format as _orbax
 from paramstore.checkpoint.formats.orbax import read as _orbax_read
-from paramstore.checkpoint.formats.safetensors.file import SafetensorsFile
 from paramstore.checkpoint.formats.tensorflow import checkpoint as _tf
 from paramstore.checkpoint.formats.tensorflow.keras import KerasWeights, is_hdf5
 from paramstore.checkpoint.io import check_regular, path_lock
@@ -39,6 +41,9 @@ def _resolve(path: PathLike) -> str:
     if os.path.isdir(path):
         if _orbax.is_checkpoint(path) or _tf.is_checkpoint_dir(path):
             return path
+        hf = _hf.find(path)
+        if hf is not None:
+            return hf
         if any(os.path.exists(os.path.join(path, m)) for m in _ORBAX_MARKS):
             raise CheckpointError(
                 f"Sharded checkpoint '{path}' lacks its metadata "
@@ -63,7 +68,8 @@ def _resolve(path: PathLike) -> str:
 def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
     """The ``checkpoint.format.Reader`` for what is on disk at ``path`` (a manager directory: its
     latest checkpoint): a sharded (Orbax) directory, a TensorFlow checkpoint prefix (or
-    directory), a Keras ``.weights.h5`` file, or a paramstore file. Close it after use."""
+    directory), a Keras ``.weights.h5`` file, a Hugging Face index, or a safetensors file
+    (a ``PlainSafetensors``). Close it after use."""
     resolved = _resolve(path)
     if os.path.isdir(resolved) and _orbax.is_checkpoint(resolved):
         return _orbax_read.ShardedCheckpoint(resolved)
@@ -71,7 +77,9 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
         return _tf.TensorFlowCheckpoint(resolved)
     if is_hdf5(resolved):
         return KerasWeights(resolved)
-    return SafetensorsFile(resolved, allow_unverified)
+    if _hf.is_index(resolved):
+        return _hf.ShardedSafetensors(resolved, allow_unverified)
+    return _hf.PlainSafetensors(resolved, allow_unverified)
 
 
 @contextlib.contextmanager

@@ -548,8 +548,11 @@ def test_list_and_load_variables(saved, tmp_path):
     manager.save(10)
     assert checkpoint.list_variables(tmp_path / "run") == [("dense/w", (3, 4), np.dtype("f4"))]
     assert np.all(checkpoint.load_variable(tmp_path / "run", "dense/w") == 1)  # latest
+    # a directory holding model.safetensors is a (Hugging Face layout) checkpoint: that file
+    assert checkpoint.list_variables(tmp_path / "run" / "..") == checkpoint.list_variables(path)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="No checkpoint in directory"):
-        checkpoint.list_variables(tmp_path / "run" / "..")
+        checkpoint.list_variables(tmp_path / "empty")
 
 
 def test_inspect_cli(saved, capsys, tmp_path):

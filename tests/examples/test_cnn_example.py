@@ -3,7 +3,6 @@ ends exactly where an uninterrupted run does (weights, optimizer, generator, his
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _examples import load_example
 
 import paramstore as ps
 
@@ -22,11 +22,7 @@ PATH = ROOT / "examples" / "cnn.py"
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("cnn_example", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("cnn")
 
 
 def _contents(directory: Path) -> dict[str, np.ndarray]:

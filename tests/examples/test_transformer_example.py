@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _examples import load_example
 
 import paramstore as ps
 
 pytest.importorskip("tqdm")
 
-PATH = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
-
 
 def _example():
-    spec = importlib.util.spec_from_file_location("transformer_example", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_example("transformer")
 
 
 @pytest.mark.slow

@@ -1,0 +1,325 @@
+"""GPT-2 in ``ps.nn``, warm-started from a Hugging Face checkpoint, fine-tuned, exported back.
+
+Run ``python examples/gpt2.py MODEL_DIR`` on a Hugging Face GPT-2 directory (``config.json``
+and ``model.safetensors``, or shards with ``model.safetensors.index.json``: e.g. what
+``GPT2LMHeadModel.save_pretrained(dir)`` writes, or a downloaded ``gpt2``). Without
+``MODEL_DIR`` it makes a tiny random GPT-2 with ``transformers`` (no download). It shows:
+
+* the model written with ``ps.nn`` layers, its blocks stacked by ``ps.nn.Repeat`` (one
+  ``lax.scan``), built abstract (``ps.abstract()``: nothing allocated);
+* ``ps.checkpoint.init_from_checkpoint`` alone filling every variable from the file's own
+  names: regex pairs map ``transformer.h.<i>.…`` to layer ``i`` of a stacked variable
+  (``…/kernel[<i>]``), a tuple replacement sends the fused ``c_attn`` matrix to the query,
+  key and value kernels, and ``transforms`` split and reshape it (HF's ``Conv1D`` weights
+  are ``(in, out)`` like ``ps.nn.Dense`` kernels, so the MLP needs no transpose);
+* logits equal to ``transformers``' ``GPT2LMHeadModel`` (``compare_with_transformers``);
+* full fine-tuning for a few steps (``fine_tune``: a ``ps.function`` AdamW step; the tuning
+  method is the one function to swap for LoRA, mixed precision or EMA);
+* ``ps.checkpoint.export_safetensors`` back to Hugging Face's names and layout
+  (``export``), which ``GPT2LMHeadModel.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import paramstore as ps
+
+# ---------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The fields of a Hugging Face GPT-2 ``config.json`` this model uses."""
+
+    vocab_size: int
+    n_positions: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    layer_norm_epsilon: float = 1e-5
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> Config:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+        if raw.get("activation_function", "gelu_new") != "gelu_new":
+            raise ValueError(f"only gelu_new is implemented, not {raw['activation_function']}")
+        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
+
+
+# ----------------------------------------------------------------------- model
+
+
+class Block(ps.Module):
+    """A pre-norm GPT-2 block: causal self-attention and a GELU MLP, each residual."""
+
+    def __init__(self, c: Config, name: str | None = None) -> None:
+        self.ln_1 = ps.nn.LayerNormalization(epsilon=c.layer_norm_epsilon)
+        self.attn = ps.nn.MultiHeadAttention(c.n_head, c.n_embd // c.n_head)
+        self.ln_2 = ps.nn.LayerNormalization(epsilon=c.layer_norm_epsilon)
+        self.c_fc = ps.nn.Dense(4 * c.n_embd)
+        self.c_proj = ps.nn.Dense(c.n_embd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, use_causal_mask=True)
+        h = jax.nn.gelu(self.c_fc(self.ln_2(x)), approximate=True)  # gelu_new
+        return x + self.c_proj(h)
+
+
+class GPT2(ps.Module):
+    """Token and position embeddings, ``n_layer`` stacked blocks, a final LayerNorm, and
+    logits from the token embeddings (tied, as in GPT-2)."""
+
+    def __init__(self, c: Config, name: str | None = None) -> None:
+        self.config = c
+        self.wte = ps.nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = ps.nn.Embedding(c.n_positions, c.n_embd)
+        self.h = ps.nn.Repeat(lambda: Block(c), c.n_layer)
+        self.ln_f = ps.nn.LayerNormalization(epsilon=c.layer_norm_epsilon)
+
+    def build(self, seq_len: int) -> None:
+        """Every layer's variables for inputs of ``seq_len`` tokens (abstract inside
+        ``ps.abstract()``)."""
+        e = self.config.n_embd
+        self.wte.build((1, seq_len))
+        self.wpe.build((seq_len,))
+        self.h.build((1, seq_len, e))
+        self.ln_f.build((1, seq_len, e))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        x = self.wte(ids) + self.wpe(jnp.arange(ids.shape[-1]))
+        x = self.ln_f(self.h(x))
+        return x @ self.wte.embeddings.value().T
+
+
+def build(c: Config, seq_len: int = 8) -> GPT2:
+    """The model, built abstract: names, shapes and dtypes, nothing allocated."""
+    with ps.abstract():
+        model = GPT2(c)
+        model.build(seq_len)
+    return model
+
+
+# -------------------------------------------------- Hugging Face names and values
+
+
+def hf_map(model: GPT2) -> list[tuple[str, Any]]:
+    """``init_from_checkpoint``'s regex pairs: Hugging Face name -> this model's variables
+    (``name[i]``: layer ``i`` of a stacked variable, ``i`` taken from the file's name)."""
+    stacked = {path: v.name for path, v in model.h.stacked.items()}  # by attribute path
+
+    def layer(path: str) -> str:
+        return stacked[path] + r"[\1]"
+
+    h = r"transformer\.h\.(\d+)\."
+    qkv = ("query", "key", "value")
+    return [
+        (r"transformer\.wte\.weight", model.wte.embeddings.name),
+        (r"transformer\.wpe\.weight", model.wpe.embeddings.name),
+        (r"transformer\.ln_f\.weight", model.ln_f.gamma.name),
+        (r"transformer\.ln_f\.bias", model.ln_f.beta.name),
+        (h + r"ln_1\.weight", layer("ln_1/gamma")),
+        (h + r"ln_1\.bias", layer("ln_1/beta")),
+        (h + r"ln_2\.weight", layer("ln_2/gamma")),
+        (h + r"ln_2\.bias", layer("ln_2/beta")),
+        # one fused matrix into three variables, each split by its transform
+        (h + r"attn\.c_attn\.weight", tuple(layer(f"attn/weights/{p}/kernel") for p in qkv)),
+        (h + r"attn\.c_attn\.bias", tuple(layer(f"attn/weights/{p}/bias") for p in qkv)),
+        (h + r"attn\.c_proj\.weight", layer("attn/weights/attention_output/kernel")),
+        (h + r"attn\.c_proj\.bias", layer("attn/weights/attention_output/bias")),
+        (h + r"mlp\.c_fc\.weight", layer("c_fc/kernel")),  # Conv1D (in, out) = Dense kernel
+        (h + r"mlp\.c_fc\.bias", layer("c_fc/bias")),
+        (h + r"mlp\.c_proj\.weight", layer("c_proj/kernel")),
+        (h + r"mlp\.c_proj\.bias", layer("c_proj/bias")),
+    ]
+
+
+def hf_transforms(c: Config) -> dict[str, Callable[[Any], Any]]:
+    """Split the fused ``c_attn`` into query, key and value, heads made an axis."""
+    e, h = c.n_embd, c.n_head
+    d = e // h
+    out: dict[str, Callable[[Any], Any]] = {}
+    for i, part in enumerate(("query", "key", "value")):
+        sl = slice(i * e, (i + 1) * e)
+        out[f"/{part}/kernel"] = lambda w, sl=sl: w[:, sl].reshape(e, h, d)
+        out[f"/{part}/bias"] = lambda b, sl=sl: b[sl].reshape(h, d)
+    out["/attention_output/kernel"] = lambda w: w.reshape(h, d, e)
+    return out
+
+
+def load(model_dir: str, seq_len: int = 8) -> tuple[GPT2, dict[str, str]]:
+    """The model from a Hugging Face directory, through ``init_from_checkpoint`` alone."""
+    c = Config.from_dir(model_dir)
+    model = build(c, seq_len)
+    assigned = ps.checkpoint.init_from_checkpoint(
+        model_dir, hf_map(model), transforms=hf_transforms(c), cast=True, allow_unverified=True
+    )
+    left = [v.name for v in model.variables if v.is_abstract]
+    assert not left, f"not in the checkpoint: {left}"
+    return model, assigned
+
+
+def hf_state(model: GPT2) -> dict[str, jax.Array]:
+    """This model's values under Hugging Face's names and layout (``c_attn`` fused again)."""
+    c = model.config
+    e = c.n_embd
+    blk = {k: v.value() for k, v in model.h.stacked.items()}
+    out = {
+        "transformer.wte.weight": model.wte.embeddings.value(),
+        "transformer.wpe.weight": model.wpe.embeddings.value(),
+        "transformer.ln_f.weight": model.ln_f.gamma.value(),
+        "transformer.ln_f.bias": model.ln_f.beta.value(),
+    }
+    attn = "attn/weights/"
+    for i in range(c.n_layer):
+        p = f"transformer.h.{i}."
+        for j, ln in ((1, "ln_1"), (2, "ln_2")):
+            out[p + f"ln_{j}.weight"] = blk[f"{ln}/gamma"][i]
+            out[p + f"ln_{j}.bias"] = blk[f"{ln}/beta"][i]
+        out[p + "attn.c_attn.weight"] = jnp.concatenate(
+            [blk[f"{attn}{q}/kernel"][i].reshape(e, e) for q in ("query", "key", "value")], axis=1
+        )
+        out[p + "attn.c_attn.bias"] = jnp.concatenate(
+            [blk[f"{attn}{q}/bias"][i].reshape(e) for q in ("query", "key", "value")]
+        )
+        out[p + "attn.c_proj.weight"] = blk[f"{attn}attention_output/kernel"][i].reshape(e, e)
+        out[p + "attn.c_proj.bias"] = blk[f"{attn}attention_output/bias"][i]
+        for mlp in ("c_fc", "c_proj"):
+            out[p + f"mlp.{mlp}.weight"] = blk[f"{mlp}/kernel"][i]
+            out[p + f"mlp.{mlp}.bias"] = blk[f"{mlp}/bias"][i]
+    return out
+
+
+def export(model: GPT2, model_dir: str, max_shard_size: int | None = None) -> str:
+    """Write the model into a Hugging Face directory (its ``config.json`` kept): the
+    weights under Hugging Face's names, one file or shards."""
+    return ps.checkpoint.export_safetensors(
+        model_dir, hf_state(model), max_shard_size=max_shard_size
+    )
+
+
+# ------------------------------------------------------------------ fine-tuning
+
+
+def lm_loss(model: GPT2, ids: jax.Array) -> jax.Array:
+    logits = model(ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def fine_tune(model: GPT2, batches: list[np.ndarray], learning_rate: float = 1e-3) -> list[float]:
+    """Full fine-tuning: every variable trained by AdamW, one ``ps.function`` step a batch.
+    (LoRA, mixed precision and EMA variants replace this function.)"""
+    opt = ps.Optimizer(optax.adamw(learning_rate, weight_decay=0.0), model)
+
+    @ps.function
+    def step(ids: jax.Array) -> jax.Array:
+        loss, grads = ps.value_and_grad(lambda: lm_loss(model, ids), model)()
+        opt.apply_gradients(grads)
+        return loss
+
+    return [float(step(jnp.asarray(b))) for b in batches]
+
+
+# ------------------------------------------------------------------- transformers
+
+
+def _quiet_transformers() -> None:
+    """No progress bars or advice on stderr."""
+    from transformers.utils import logging  # noqa: PLC0415 - the example's optional oracle
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def tiny_checkpoint(model_dir: str, seed: int = 0) -> str:
+    """A tiny random GPT-2 written by ``transformers`` (no download)."""
+    import torch  # noqa: PLC0415 - the example's optional oracle
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415
+
+    _quiet_transformers()
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=100,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    GPT2LMHeadModel(config).save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def transformers_logits(model_dir: str, ids: np.ndarray) -> np.ndarray:
+    """``GPT2LMHeadModel.from_pretrained(model_dir)``'s logits (eval mode)."""
+    import torch  # noqa: PLC0415
+    from transformers import GPT2LMHeadModel  # noqa: PLC0415
+
+    _quiet_transformers()
+    hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return hf(torch.as_tensor(ids)).logits.numpy()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", nargs="?", help="a Hugging Face GPT-2 directory")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", help="where to export the fine-tuned model")
+    args = parser.parse_args(argv)
+    work = tempfile.mkdtemp()
+    try:
+        model_dir = args.model_dir or tiny_checkpoint(os.path.join(work, "tiny"))
+        rng = np.random.default_rng(0)
+        t0 = time.perf_counter()
+        model, assigned = load(model_dir)
+        c = model.config
+        ids = rng.integers(0, c.vocab_size, (2, 8))
+        logits = np.asarray(model(jnp.asarray(ids)))
+        print(f"loaded {len(assigned)} values in {time.perf_counter() - t0:.2f} s")
+        ref = transformers_logits(model_dir, ids)
+        print(f"max |logits - transformers| = {np.abs(logits - ref).max():.2e}")
+        batches = [rng.integers(0, c.vocab_size, (4, 9))] * args.steps  # memorize one batch
+        losses = fine_tune(model, batches)
+        print("fine-tuning losses:", " ".join(f"{x:.3f}" for x in losses))
+        out = args.out or os.path.join(work, "tuned")
+        if out != model_dir:
+            os.makedirs(out, exist_ok=True)
+            shutil.copy(os.path.join(model_dir, "config.json"), out)
+        export(model, out)
+        tuned = np.asarray(model(jnp.asarray(ids)))
+        exported = transformers_logits(out, ids)
+        print(
+            f"exported to {out}: max |logits - transformers| = {np.abs(tuned - exported).max():.2e}"
+        )
+        return {
+            "losses": losses,
+            "logits": logits,
+            "reference": ref,
+            "tuned": tuned,
+            "exported": exported,
+        }
+    finally:
+        if not args.out:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""Hugging Face safetensors checkpoints: plain and sharded files read, and written by ``export_safetensors``."""
