@@ -3,7 +3,17 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, metrics, nn, random, sharding, typing
+from paramstore import (
+    checkpoint,
+    constraints,
+    initializers,
+    metrics,
+    nn,
+    random,
+    regularizers,
+    sharding,
+    typing,
+)
 from paramstore._core.placement import device
 from paramstore._display.display import display
 from paramstore._display.summary import summary
@@ -23,6 +33,7 @@ from paramstore.functional import (
 )
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
+from paramstore.regularization import regularization_loss
 from paramstore.remat import remat
 from paramstore.scope import (
     AUTO_REUSE,
@@ -53,6 +64,7 @@ __all__ = [
     "VariableStore",
     "abstract",
     "checkpoint",
+    "constraints",
     "device",
     "display",
     "function",
@@ -66,6 +78,8 @@ __all__ = [
     "non_trainable",
     "pure",
     "random",
+    "regularization_loss",
+    "regularizers",
     "remat",
     "sharding",
     "state",

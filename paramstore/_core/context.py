@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK"]
+__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "FREEZES"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,21 @@ def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
 # dispatch, swap), holds it, so each is atomic with respect to the variables it touches.
 # Re-entrant: a write path may call another.
 STATE_LOCK = threading.RLock()
+
+
+class _Freezes:
+    """How many times a variable's ``trainable`` flag has changed (``v.trainable = ...``,
+    ``module.trainable = ...``), process-wide. A ``ps.function`` trace records it and,
+    when it has moved, checks the flags of the variables it captured (freezing between
+    calls takes effect: the trace is redone where a flag it saw changed)."""
+
+    __slots__ = ("epoch",)
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def bump(self) -> None:
+        self.epoch += 1
+
+
+FREEZES = _Freezes()
