@@ -18,6 +18,7 @@ from paramstore._core.placement import device
 from paramstore._display.display import display
 from paramstore._display.summary import summary
 from paramstore._variable.abstract import abstract
+from paramstore.averaging import ExponentialMovingAverage
 from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.checkpoint.objects import Checkpoint
 from paramstore.function import Function, function
@@ -52,6 +53,7 @@ __all__ = [
     "AUTO_REUSE",
     "Checkpoint",
     "CheckpointManager",
+    "ExponentialMovingAverage",
     "Function",
     "Module",
     "Optimizer",
