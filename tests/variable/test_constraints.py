@@ -93,7 +93,9 @@ def test_layers_take_keras_names_and_objects_and_the_loss_equals_keras(keras):
         bias_constraint=ps.constraints.NonNeg(),
     )
     dense(X)
-    ref = keras.layers.Dense(3, kernel_regularizer="l2", bias_regularizer=keras.regularizers.L1(0.5))
+    ref = keras.layers.Dense(
+        3, kernel_regularizer="l2", bias_regularizer=keras.regularizers.L1(0.5)
+    )
     ref.build((None, 5))
     ref.set_weights([dense.kernel.numpy(), dense.bias.numpy() + 1.0])
     dense.bias.assign(dense.bias + 1.0)
@@ -187,7 +189,9 @@ def test_a_constraint_that_changes_shape_or_dtype_is_refused_when_the_variable_i
         with pytest.raises(ValueError, match=r"Dense: kernel_constraint: Unknown constraint"):
             ps.nn.Dense(2, kernel_constraint="nope")
         dense = ps.nn.Dense(2, kernel_regularizer=lambda w: w * 2)
-        with pytest.raises(ValueError, match=r"regularizer of variable 'dense(_1)?/kernel'.*scalar"):
+        with pytest.raises(
+            ValueError, match=r"regularizer of variable 'dense(_1)?/kernel'.*scalar"
+        ):
             dense(X)
         assert store.variables() == [kept]  # nothing was created
         assert dense.variables == ()
