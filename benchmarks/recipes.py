@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from depth import D, LR, Block, block_fn, data, init_layer
+from depth import LR, Block, D, block_fn, data, init_layer
 
 import paramstore as ps
 

@@ -121,9 +121,8 @@ def test_swap_puts_the_averages_in_and_the_trained_values_back_even_on_error():
     with ema.swap([v]):
         np.testing.assert_array_equal(v.numpy(), avg)
     np.testing.assert_array_equal(v.numpy(), W0 + 1)
-    with pytest.raises(RuntimeError, match="boom"):
-        with ema.swap():
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), ema.swap():
+        raise RuntimeError("boom")
     np.testing.assert_array_equal(v.numpy(), W0 + 1)
     np.testing.assert_array_equal(ema.average(v).numpy(), avg)
 

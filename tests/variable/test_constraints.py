@@ -183,9 +183,11 @@ def test_a_constraint_that_changes_shape_or_dtype_is_refused_when_the_variable_i
             ps.Variable(W, name="c", constraint=lambda w: w.sum(0))
         with pytest.raises(ValueError, match=r"variable 'd'.*float32.*returns.*int32"):
             ps.Variable(W, name="d", constraint=lambda w: w.astype(jnp.int32))
-        with pytest.raises(ValueError, match=r"constraint of variable 'tf1/e'"):
-            with ps.variable_scope("tf1"):
-                ps.get_variable("e", [2], constraint=lambda w: w[:1])
+        with (
+            pytest.raises(ValueError, match=r"constraint of variable 'tf1/e'"),
+            ps.variable_scope("tf1"),
+        ):
+            ps.get_variable("e", [2], constraint=lambda w: w[:1])
         with pytest.raises(ValueError, match=r"Dense: kernel_constraint: Unknown constraint"):
             ps.nn.Dense(2, kernel_constraint="nope")
         dense = ps.nn.Dense(2, kernel_regularizer=lambda w: w * 2)
