@@ -83,7 +83,7 @@ class Regularizer:
         return f"ps.regularizers.{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.get_config() == self.get_config()  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.get_config() == self.get_config()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(self.get_config().items()))))

@@ -87,9 +87,9 @@ class Reads(ArrayOps):
         value = bool(value)
         if value != self.trainable or (value and self._frozen):
             FREEZES.bump()
-        self._trainable = value
+        self._trainable = value  # type: ignore[misc]  # a slot of Variable
         if value:
-            self._frozen = False
+            self._frozen = False  # type: ignore[misc]
 
     def _freeze(self, frozen: bool) -> None:
         """Freeze or unfreeze for a Module (``module.trainable = ...``), as Keras 3's
@@ -97,7 +97,7 @@ class Reads(ArrayOps):
         is False (created non-trainable, or ``v.trainable = False``) stays non-trainable."""
         if frozen != self._frozen and self._trainable:
             FREEZES.bump()
-        self._frozen = frozen
+        self._frozen = frozen  # type: ignore[misc]
 
     @property
     def constraint(self) -> Any:
