@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from depth import LR, Block, D, block_fn, data, init_layer
+from depth import LR, Block, D, block_fn, data, init_layer, step_times
 
 import paramstore as ps
 
@@ -149,16 +149,6 @@ def first_call(make: Callable[[], Any]) -> tuple[Any, float]:
     step = built[0] if isinstance(built, tuple) else built
     jax.block_until_ready(step())
     return built, time.perf_counter() - t0
-
-
-def step_times(steps: dict[str, Step], count: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(count):
-        for name, step in steps.items():
-            t = time.perf_counter()
-            jax.block_until_ready(step())
-            times[name].append((time.perf_counter() - t) * 1e3)
-    return times
 
 
 def main() -> None:

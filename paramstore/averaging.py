@@ -13,9 +13,10 @@ Contract (docs/api.md, "Weight averaging, constraints and regularizers"):
   ``var_list`` is updated as TF does, in float32 for the decay:
   ``d = decay`` or ``min(decay, (1 + num_updates) / (10 + num_updates))``, then
   ``shadow -= (shadow - value) * cast(1 - d, shadow.dtype)``. ``var_list``: any
-  collection ``ps.state`` takes (a Module: its floating-point variables, the shadows of
-  this average left out), or None: the trainable variables of the default store (TF1's
-  default). A variable that is not floating point is a ``TypeError`` naming it (as TF).
+  collection ``ps.state`` takes (a Module, or Modules in a list: their floating-point
+  variables, the shadows of this average left out), or None: the trainable variables of the
+  default store (TF1's default). A variable listed that is not floating point is a
+  ``TypeError`` naming it (as TF).
   Works eagerly, inside ``ps.function`` (shadows may be created in its first trace) and
   inside ``lax.scan`` / ``fori_loop`` bodies once the shadows exist (call ``apply`` once
   before a fused loop, e.g. eagerly: a first update leaves a fresh shadow unchanged).
@@ -211,13 +212,15 @@ class ExponentialMovingAverage(Module):
             found = [v for v in default_store().trainable_variables() if isinstance(v, Variable)]
         else:
             found = variables_of(var_list)
-        module = isinstance(var_list, Module) or var_list is None
+        explicit = isinstance(var_list, Variable) or (
+            isinstance(var_list, (list, tuple)) and all(isinstance(x, Variable) for x in var_list)
+        )
         out = []
         for v in found:
             if id(v) in shadows:
                 continue
             if v.dtype not in _FLOATS:
-                if module:
+                if not explicit:
                     continue  # a Module's integer, key or string state is not averaged
                 raise TypeError(
                     f"ps.ExponentialMovingAverage: variable '{v.name}' has dtype {v.dtype}; "

@@ -19,13 +19,15 @@ Contract (docs/api.md, "Weight averaging, constraints and regularizers"):
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
+
+from paramstore._core.keras_objects import Registry, abstract_call
+from paramstore.typing import ConstraintLike
 
 __all__ = [
     "Constraint",
@@ -148,6 +150,8 @@ non_neg = NonNeg
 unit_norm = UnitNorm
 min_max_norm = MinMaxNorm
 
+_KNOWN = "'non_neg', 'max_norm', 'unit_norm', 'min_max_norm'"
+
 _CLASSES: dict[str, type[Constraint]] = {
     "Constraint": Constraint,
     "MaxNorm": MaxNorm,
@@ -162,70 +166,34 @@ _CLASSES: dict[str, type[Constraint]] = {
 }
 
 
+_REGISTRY = Registry(
+    "constraint",
+    Constraint,
+    _CLASSES,
+    {n: c for n, c in _CLASSES.items() if isinstance(c, type) and n[0].isupper()},
+    _KNOWN,
+    "(array) -> array",
+)
+
+
 def serialize(constraint: Constraint) -> dict[str, Any]:
     """Keras' serialized form of a ``ps.constraints`` object."""
-    if not isinstance(constraint, Constraint):
-        raise TypeError(
-            f"ps.constraints.serialize takes a ps.constraints object, got "
-            f"{type(constraint).__name__}."
-        )
-    return {
-        "module": "keras.constraints",
-        "class_name": type(constraint).__name__,
-        "config": constraint.get_config(),
-        "registered_name": None,
-    }
+    return _REGISTRY.serialize(constraint)
 
 
 def deserialize(config: Mapping[str, Any] | str) -> Constraint:
     """The constraint of a ``serialize`` dict (or a name)."""
-    if isinstance(config, str):
-        return _named(config)
-    if not isinstance(config, Mapping) or "class_name" not in config:
-        raise ValueError(
-            f"Could not interpret constraint config {config!r:.80}: expected "
-            "ps.constraints.serialize's dict (with 'class_name' and 'config')."
-        )
-    cls = _CLASSES.get(config["class_name"])
-    if cls is None:
-        raise ValueError(f"Unknown constraint class {config['class_name']!r}; known: {_KNOWN}.")
-    return cls.from_config(config.get("config") or {})
+    made: Constraint = _REGISTRY.deserialize(config)
+    return made
 
 
-_KNOWN = "'non_neg', 'max_norm', 'unit_norm', 'min_max_norm'"
-
-
-def _named(name: str) -> Constraint:
-    cls = _CLASSES.get(name)
-    if cls is None:
-        raise ValueError(
-            f"Unknown constraint {name!r}: use one of {_KNOWN}, a ps.constraints object, or a "
-            "callable (array) -> array."
-        )
-    return cls()
-
-
-def get(identifier: Any, where: str = "constraint") -> Callable[[jax.Array], jax.Array] | None:
+def get(
+    identifier: ConstraintLike | Mapping[str, Any] | type | None, where: str = "constraint"
+) -> Callable[[jax.Array], jax.Array] | None:
     """``identifier`` as a constraint (see the module docstring); ``where`` names the
     argument in errors."""
-    if identifier is None:
-        return None
-    if isinstance(identifier, str):
-        try:
-            return _named(identifier)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-    if isinstance(identifier, Mapping):
-        return deserialize(identifier)
-    if inspect.isclass(identifier) and callable(identifier):
-        identifier = identifier()
-    if callable(identifier):
-        return identifier  # type: ignore[no-any-return]
-    raise ValueError(
-        f"{where}: could not interpret constraint identifier {identifier!r:.60} (a "
-        f"{type(identifier).__name__}): pass one of {_KNOWN}, a ps.constraints object or a "
-        "callable (array) -> array."
-    )
+    made: Callable[[jax.Array], jax.Array] | None = _REGISTRY.get(identifier, where)
+    return made
 
 
 def check(
@@ -233,13 +201,7 @@ def check(
 ) -> None:
     """Raise ``ValueError`` naming variable ``name`` if ``constraint`` changes the shape or
     dtype of a value of ``shape`` and ``dtype`` (computed abstractly)."""
-    try:
-        out = jax.eval_shape(constraint, jax.ShapeDtypeStruct(shape, dtype))
-    except Exception as e:  # the user's code: say whose it is
-        raise ValueError(
-            f"The constraint of variable '{name}' ({constraint!r:.60}) failed on a value of "
-            f"shape {shape} and dtype {dtype}: {type(e).__name__}: {e}"
-        ) from e
+    out = abstract_call(constraint, shape, dtype, name, "constraint")
     got = (tuple(getattr(out, "shape", ())), getattr(out, "dtype", None))
     if got != (tuple(shape), jnp.dtype(dtype)):
         raise ValueError(

@@ -22,7 +22,6 @@ Contract (docs/api.md, "Weight averaging, constraints and regularizers"):
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +29,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
+
+from paramstore._core.keras_objects import Registry, abstract_call
+from paramstore.typing import RegularizerLike
 
 __all__ = [
     "L1",
@@ -159,70 +161,34 @@ _CLASSES: dict[str, Callable[[], Any]] = {
 }
 
 
+_REGISTRY = Registry(
+    "regularizer",
+    Regularizer,
+    _CLASSES,
+    {n: c for n, c in _CLASSES.items() if isinstance(c, type) and n[0].isupper()},
+    "'l1', 'l2', 'l1_l2'",
+    "(array) -> scalar",
+)
+
+
 def serialize(regularizer: Regularizer) -> dict[str, Any]:
     """Keras' serialized form of a ``ps.regularizers`` object."""
-    if not isinstance(regularizer, Regularizer):
-        raise TypeError(
-            f"ps.regularizers.serialize takes a ps.regularizers object, got "
-            f"{type(regularizer).__name__}."
-        )
-    return {
-        "module": "keras.regularizers",
-        "class_name": type(regularizer).__name__,
-        "config": regularizer.get_config(),
-        "registered_name": None,
-    }
+    return _REGISTRY.serialize(regularizer)
 
 
 def deserialize(config: Mapping[str, Any] | str) -> Regularizer:
     """The regularizer of a ``serialize`` dict (or a name)."""
-    if isinstance(config, str):
-        return _named(config)
-    if not isinstance(config, Mapping) or "class_name" not in config:
-        raise ValueError(
-            f"Could not interpret regularizer config {config!r:.80}: expected "
-            "ps.regularizers.serialize's dict (with 'class_name' and 'config')."
-        )
-    cls = _CLASSES.get(config["class_name"])
-    if not (inspect.isclass(cls) and issubclass(cls, Regularizer)):
-        raise ValueError(
-            f"Unknown regularizer class {config['class_name']!r}; known: L1, L2, L1L2."
-        )
-    return cls.from_config(config.get("config") or {})
-
-
-def _named(name: str) -> Regularizer:
-    make = _CLASSES.get(name)
-    if make is None:
-        raise ValueError(
-            f"Unknown regularizer {name!r}: use 'l1', 'l2' or 'l1_l2', a ps.regularizers "
-            "object, or a callable (array) -> scalar."
-        )
-    made: Regularizer = make()
+    made: Regularizer = _REGISTRY.deserialize(config)
     return made
 
 
-def get(identifier: Any, where: str = "regularizer") -> Callable[[jax.Array], jax.Array] | None:
+def get(
+    identifier: RegularizerLike | Mapping[str, Any] | type | None, where: str = "regularizer"
+) -> Callable[[jax.Array], jax.Array] | None:
     """``identifier`` as a regularizer (see the module docstring); ``where`` names the
     argument in errors."""
-    if identifier is None:
-        return None
-    if isinstance(identifier, str):
-        try:
-            return _named(identifier)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-    if isinstance(identifier, Mapping):
-        return deserialize(identifier)
-    if inspect.isclass(identifier) and callable(identifier):
-        identifier = identifier()
-    if callable(identifier):
-        return identifier  # type: ignore[no-any-return]
-    raise ValueError(
-        f"{where}: could not interpret regularizer identifier {identifier!r:.60} (a "
-        f"{type(identifier).__name__}): pass 'l1', 'l2', 'l1_l2', a ps.regularizers object or "
-        "a callable (array) -> scalar."
-    )
+    made: Callable[[jax.Array], jax.Array] | None = _REGISTRY.get(identifier, where)
+    return made
 
 
 def check(
@@ -230,13 +196,7 @@ def check(
 ) -> None:
     """Raise ``ValueError`` naming variable ``name`` if ``regularizer`` does not give a
     scalar for a value of ``shape`` and ``dtype`` (computed abstractly)."""
-    try:
-        out = jax.eval_shape(regularizer, jax.ShapeDtypeStruct(shape, dtype))
-    except Exception as e:  # the user's code: say whose it is
-        raise ValueError(
-            f"The regularizer of variable '{name}' ({regularizer!r:.60}) failed on a value of "
-            f"shape {shape} and dtype {dtype}: {type(e).__name__}: {e}"
-        ) from e
+    out = abstract_call(regularizer, shape, dtype, name, "regularizer")
     leaves = jax.tree_util.tree_leaves(out)
     if len(leaves) != 1 or tuple(leaves[0].shape) != ():
         got = [tuple(x.shape) for x in leaves]

@@ -10,6 +10,7 @@ lookup goes through the type's method cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -100,12 +101,12 @@ class Reads(ArrayOps):
         self._frozen = frozen  # type: ignore[misc]
 
     @property
-    def constraint(self) -> Any:
+    def constraint(self) -> Callable[[jax.Array], jax.Array] | None:
         """The constraint an optimizer applies after each update (``constraint=``), or None."""
         return self._constraint
 
     @property
-    def regularizer(self) -> Any:
+    def regularizer(self) -> Callable[[jax.Array], jax.Array] | None:
         """The penalty ``ps.regularization_loss`` adds for this variable, or None."""
         return self._regularizer
 
