@@ -18,7 +18,8 @@ own hand-written anchor measured in the same run, the variants taking turns step
   the frozen step does no slot work for frozen variables.
 
 Columns: first call (build + trace + compile + one step, s), median and minimum step (ms),
-ratio of medians to the anchor.
+and the median of the per-step ratios to the anchor's adjacent step (robust to a shared
+machine's load, which hits both steps of a pair alike).
 """
 
 from __future__ import annotations
@@ -175,7 +176,10 @@ def main() -> None:
         },
     }
     built: dict[str, Any] = {}
-    print("| row | variant | first call s | step ms (median) | step ms (min) | / reference |")
+    print(
+        "| row | variant | first call s | step ms (median) | step ms (min) | / reference "
+        "(median of paired ratios) |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     ratios = []
     for group, variants in groups.items():
@@ -186,14 +190,17 @@ def main() -> None:
             b = built[name]
             steps[name] = b[0] if isinstance(b, tuple) else b
         times = step_times(steps, count)
-        ref = statistics.median(times[next(iter(variants))])
+        ref_times = times[next(iter(variants))]
         for name, ts in times.items():
-            med = statistics.median(ts)
+            # the median of per-step ratios to the reference's adjacent step (the variants
+            # take turns, so a shared machine's load hits both sides of a pair alike)
+            paired = statistics.median(t / r for t, r in zip(ts, ref_times))
             print(
-                f"| {group} | {name} | {firsts[name]:.2f} | {med:.2f} | {min(ts):.2f} | "
-                f"{med / ref:.3f} |"
+                f"| {group} | {name} | {firsts[name]:.2f} | {statistics.median(ts):.2f} | "
+                f"{min(ts):.2f} | {paired:.3f} |"
             )
-        ratios.append((group, statistics.median(times[list(variants)[1]]) / ref))
+        ours = times[list(variants)[1]]
+        ratios.append((group, statistics.median(t / r for t, r in zip(ours, ref_times))))
     frozen_hlo = built["ps.function, blocks.trainable = False"][1]()
     hand_hlo = built["jax.jit, grad of the head only [reference]"][1]()
     _, unfrozen_hlo = ps_frozen(n, freeze=False)

@@ -13,6 +13,7 @@ Each thread starts with empty stacks (as TensorFlow's graph and device stacks do
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -63,13 +64,15 @@ class _Freezes:
     when it has moved, checks the flags of the variables it captured (freezing between
     calls takes effect: the trace is redone where a flag it saw changed)."""
 
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "_count")
 
     def __init__(self) -> None:
+        self._count = itertools.count(1)
         self.epoch = 0
 
     def bump(self) -> None:
-        self.epoch += 1
+        # next() on a count is atomic: threads bumping at once each get a new value
+        self.epoch = next(self._count)
 
 
 FREEZES = _Freezes()
