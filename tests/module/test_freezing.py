@@ -248,3 +248,26 @@ def test_grad_over_an_unbuilt_model_says_to_build_it(grad):
         grad(lambda: jnp.sum(model(X)), [model])()
     model(X)
     assert len(f()) == 2 if grad is ps.grad else len(f()[1]) == 2
+
+
+@pytest.mark.parametrize("form", ["list", "zip", "dict", "nested"])
+def test_every_gradient_form_works_while_a_variable_is_frozen(form):
+    a, b = ps.Variable([1.0, 2.0], name="a"), ps.Variable([3.0], name="b")
+    model = two_layers()
+    collection = {
+        "list": [a, b],
+        "zip": [a, b],
+        "dict": {"a": a, "b": b},
+        "nested": [[a, b], model],
+    }[form]
+    opt = ps.Optimizer(optax.sgd(1.0), collection)
+    a.trainable = False
+    model.layers[0].trainable = False
+    grads = ps.grad(lambda: jnp.sum(a**2) + jnp.sum(b**2) + loss(model), collection)()
+    if form == "zip":
+        grads = zip(grads, [a, b])
+    before_a, before_body = a.numpy(), snapshot(model.layers[0].variables)
+    opt.apply_gradients(grads)
+    np.testing.assert_array_equal(a.numpy(), before_a)  # frozen: its gradient ignored
+    np.testing.assert_array_equal(b.numpy(), [-3.0])
+    assert all(unchanged(before_body, model.layers[0].variables))
