@@ -44,7 +44,7 @@ class Registry:
         return {
             "module": f"keras.{self.kind}s",
             "class_name": type(obj).__name__,
-            "config": obj.get_config(),
+            "config": obj.get_config(),  # type: ignore[attr-defined]  # self.base's method
             "registered_name": None,
         }
 

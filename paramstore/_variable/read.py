@@ -103,12 +103,12 @@ class Reads(ArrayOps):
     @property
     def constraint(self) -> Callable[[jax.Array], jax.Array] | None:
         """The constraint an optimizer applies after each update (``constraint=``), or None."""
-        return self._constraint
+        return self._constraint  # type: ignore[no-any-return]
 
     @property
     def regularizer(self) -> Callable[[jax.Array], jax.Array] | None:
         """The penalty ``ps.regularization_loss`` adds for this variable, or None."""
-        return self._regularizer
+        return self._regularizer  # type: ignore[no-any-return]
 
     @property
     def dtype(self) -> np.dtype[Any]:

@@ -398,7 +398,9 @@ def constrained(var: Variable, x: Any) -> Any:
     """``var.constraint(x)``, checked to keep the shape and dtype (before anything is
     assigned: a step is all or nothing)."""
     x = jnp.asarray(x).astype(var.dtype)
-    out = var.constraint(x)
+    constraint = var.constraint
+    assert constraint is not None
+    out = constraint(x)
     if tuple(jnp.shape(out)) != var.shape or jnp.result_type(out) != var.dtype:
         raise ValueError(
             f"ps.Optimizer: the constraint of variable '{var.name}' ({var.constraint!r:.60}) "
