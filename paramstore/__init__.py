@@ -3,11 +3,22 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, metrics, nn, random, sharding, typing
+from paramstore import (
+    checkpoint,
+    constraints,
+    initializers,
+    metrics,
+    nn,
+    random,
+    regularizers,
+    sharding,
+    typing,
+)
 from paramstore._core.placement import device
 from paramstore._display.display import display
 from paramstore._display.summary import summary
 from paramstore._variable.abstract import abstract
+from paramstore.averaging import ExponentialMovingAverage
 from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.checkpoint.objects import Checkpoint
 from paramstore.function import Function, function
@@ -23,6 +34,7 @@ from paramstore.functional import (
 )
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
+from paramstore.regularization import regularization_loss
 from paramstore.remat import remat
 from paramstore.scope import (
     AUTO_REUSE,
@@ -41,6 +53,7 @@ __all__ = [
     "AUTO_REUSE",
     "Checkpoint",
     "CheckpointManager",
+    "ExponentialMovingAverage",
     "Function",
     "Module",
     "Optimizer",
@@ -53,6 +66,7 @@ __all__ = [
     "VariableStore",
     "abstract",
     "checkpoint",
+    "constraints",
     "device",
     "display",
     "function",
@@ -66,6 +80,8 @@ __all__ = [
     "non_trainable",
     "pure",
     "random",
+    "regularization_loss",
+    "regularizers",
     "remat",
     "sharding",
     "state",

@@ -18,8 +18,11 @@ into the collection's structure: a list for a list, a tuple for a tuple, a dict 
 dict, one value for one Variable, a tuple like ``m.trainable_variables`` for a Module (so
 ``[block, block2]`` gives ``[tuple, tuple]``), a list for a store or holder.
 
-Filters (``where``): a callable ``(variable) -> bool``, or a string searched as a regular
-expression in each full name (``re.search``); ``trainable`` and ``non_trainable`` are
+Filters (``where``): a callable ``(variable) -> bool``, a string searched as a regular
+expression in each full name (``re.search``), or a class, as Flax NNX's type filters: a
+``Module`` subclass keeps the variables of the modules of that type found in the
+collection (the collection itself included), a ``Variable`` subclass the variables of
+that type; anything else is a ``TypeError``. ``trainable`` and ``non_trainable`` are
 ready-made. A filter drops the variables it rejects from the structure (a Module's tuple
 holds its kept variables; a list, its kept items; a dict, its kept keys); one that keeps
 nothing is a ValueError.
@@ -51,8 +54,9 @@ __all__ = [
     "variables_of",
 ]
 
-#: A filter: ``(variable) -> bool``, or a regular expression searched in each full name.
-Where = Callable[[Variable], bool] | str | None
+#: A filter: ``(variable) -> bool``, a regular expression searched in each full name, or a
+#: Module or Variable subclass.
+Where = Callable[[Variable], bool] | str | type | None
 
 
 def trainable(variable: Variable) -> bool:
@@ -65,20 +69,33 @@ def non_trainable(variable: Variable) -> bool:
     return not variable.trainable
 
 
-def _predicate(where: Where) -> Callable[[Variable], bool] | None:
+def _predicate(where: Where, collection: Any = None) -> Callable[[Variable], bool] | None:
+    """``where`` as a predicate over the variables of ``collection`` (see the module
+    docstring); a class of Module needs the collection to find its instances."""
     if where is None:
         return None
-    if isinstance(where, str):
+    if isinstance(where, type):
+        if issubclass(where, Variable):
+            kind = where
+            return lambda v: isinstance(v, kind)
+        if issubclass(where, Module):
+            held = {id(v) for _, m in walk(collection) if isinstance(m, where) for v in m.variables}
+            return lambda v: id(v) in held
+    elif isinstance(where, str):
         try:
             pattern = re.compile(where)
         except re.error as e:
             raise ValueError(f"where={where!r} is not a valid regular expression: {e}.") from None
         return lambda v: pattern.search(v.name) is not None
-    if callable(where):
+    elif callable(where):
         return lambda v: bool(where(v))
+    what = f"the class {where.__name__}" if isinstance(where, type) else type(where).__name__
+    shown = "" if isinstance(where, type) else f" {where!r:.60}"
     raise TypeError(
-        f"where must be a callable (variable) -> bool (e.g. ps.trainable) or a regular "
-        f"expression string searched in the names, got {type(where).__name__} {where!r:.60}."
+        f"where must be a callable (variable) -> bool (e.g. ps.trainable), a regular "
+        f"expression string searched in the names, a ps.Module subclass (keeps the variables "
+        f"of the modules of that type, e.g. ps.nn.Dense) or a ps.Variable subclass; got "
+        f"{what}{shown}."
     )
 
 
@@ -252,7 +269,7 @@ class Parsed:
 def parse(collection: VariablesLike, *, trainable: bool = False, where: Where = None) -> Parsed:
     """Parse ``collection`` (see the module docstring); ``trainable``: a Module gives its
     trainable variables. A ``where`` that keeps nothing raises ValueError."""
-    keep = _predicate(where)
+    keep = _predicate(where, collection)
     spec = _spec(collection, trainable, keep)
     if spec is None or (keep is not None and not spec.variables):
         total = _spec(collection, trainable, None)
@@ -280,7 +297,7 @@ def named(
     name. String variables (host data) are left out unless ``strings``. Two variables of
     one name (from different stores) are an error asking for a dict."""
     if isinstance(collection, Mapping) and not isinstance(collection, State):
-        keep = _predicate(where)
+        keep = _predicate(where, collection)
         items = [(str(k), v) for k, v in _check_mapping(collection).items()]
         items = [(k, v) for k, v in items if keep is None or keep(v)]
         if keep is not None and not items:

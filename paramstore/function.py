@@ -61,6 +61,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 
 from paramstore._core import frames as _trace
+from paramstore._core.context import FREEZES
 from paramstore._core.jax_api import ARRAY_TYPE
 from paramstore._core.ownership import ownership
 from paramstore._function.entry import Entry
@@ -175,7 +176,7 @@ class Function(Generic[P, R]):
                 fast.append(a.aval)  # type: ignore[attr-defined]
             else:
                 entry = self._fast.get(tuple(fast))
-                if entry is not None:
+                if entry is not None and entry.epoch == FREEZES.epoch:
                     return entry(list(args))  # type: ignore[no-any-return]
         if self._bound is not None:
             instance = self._bound()
@@ -223,6 +224,10 @@ class Function(Generic[P, R]):
             entry = self._cache.get(key)
         except TypeError:
             raise TypeError(unhashable_message(self._name, static)) from None
+        if entry is not None and entry.epoch != FREEZES.epoch and not entry.flags_hold():
+            with self._lock:  # a trainable flag it saw has changed: trace it anew
+                self._evict(key)
+                entry = None
         if entry is None or (entry.ref_pos and not entry.alive(leaves)):
             with self._lock:  # one trace per signature, also when threads race to it
                 entry = self._cache.get(key)

@@ -51,6 +51,7 @@ from paramstore._core.context import STATE_LOCK
 from paramstore._core.dtypes import shape_error
 from paramstore._core.interrupts import deferred
 from paramstore._core.store import State
+from paramstore.module import Module
 from paramstore.typing import PyTree, ValueLike, VariablesLike
 from paramstore.variable import Variable, VariableSlice
 
@@ -190,13 +191,21 @@ def value_and_grad(
     """``f(*args) -> (fn(*args), grads)``; with ``has_aux``, ``fn`` returns ``(value, aux)``
     and ``f`` returns ``((value, aux), grads)``. ``where`` keeps some of the variables (the
     others leave the structure; see ``paramstore._collect``)."""
-    parsed = structured(variables, where)
-    unique = list({id(v): v for v in parsed.variables}.values())
-    position = {id(v): i for i, v in enumerate(unique)}
-    at = [position[id(v)] for v in parsed.variables]  # a variable listed twice: its gradient twice
     owner = _owner("ps.value_and_grad", fn)
+    try:
+        _check_built(variables, owner)
+    except ValueError:
+        pass  # said when it is called, if the model is still unbuilt then
+    else:
+        structured(variables, where)  # a bad collection or filter: an error now
 
     def wrapped(*args: P.args, **kwargs: P.kwargs) -> tuple[R, PyTree]:
+        _check_built(variables, owner)
+        # read now, not when ps.grad was called: a freeze (trainable = False) takes effect
+        parsed = structured(variables, where)
+        unique = list({id(v): v for v in parsed.variables}.values())
+        position = {id(v): i for i, v in enumerate(unique)}
+        at = [position[id(v)] for v in parsed.variables]  # listed twice: its gradient twice
         values = [v.value() for v in unique]
         assigned: list[Variable] = []
 
@@ -216,6 +225,20 @@ def value_and_grad(
         return out, parsed.rebuild([grads[i] for i in at])
 
     return wrapped
+
+
+def _check_built(variables: VariablesLike, owner: str) -> None:
+    """A Module given (alone or in a list) that has no variables yet is an error: its
+    variables are created by its first call, too late for the gradient to see them."""
+    given = variables if isinstance(variables, (list, tuple)) else [variables]
+    for m in given:
+        if isinstance(m, Module) and not m.variables:
+            raise ValueError(
+                f"{owner}: Module '{m.scope_name}' has no variables yet, so there is nothing "
+                "to differentiate (a model creates its variables on its first call, which "
+                "here would happen inside the differentiated function, too late). Call or "
+                "build the model first: model(x) once, or model.build(input_shape)."
+            )
 
 
 def grad(

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
+
 from paramstore import scope as _scope
 from paramstore._core import html as _html
 from paramstore._core import training as _training
@@ -42,7 +44,7 @@ __all__ = ["Module"]
 PENDING = "_ps_pending"
 
 # A module's own bookkeeping, never part of its variables.
-_UNTRACKED = frozenset(("_scope_name", "_module_name", PENDING))
+_UNTRACKED = frozenset(("_scope_name", "_module_name", PENDING, "_ps_trainable"))
 
 AttributeHook = Callable[["Module", str, Any], None]
 _attribute_hooks: list[AttributeHook] = []
@@ -148,7 +150,36 @@ class Module(Node):
         return tuple(self._flatten(lambda x: isinstance(x, Variable)))
 
     @property
+    def trainable(self) -> bool:
+        """Whether this module trains (Keras 3's ``layer.trainable``). ``m.trainable = False``
+        freezes every variable of the module and its submodules (and sets their
+        ``trainable`` to False): ``m.trainable_variables`` is empty, ``ps.trainable``,
+        ``ps.grad`` over Modules and every optimizer (even one built before) leave them
+        alone, from the next step on (a ``ps.function`` retraces where a flag it saw
+        changed). ``m.trainable = True`` lifts the freeze; variables created
+        non-trainable (moving statistics, ``v.trainable = False``) stay so. A frozen
+        variable keeps its value, name and checkpoint key. Not a bool: ``TypeError``."""
+        return bool(self.__dict__.get("_ps_trainable", True))
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(
+                f"{type(self).__name__} '{self.scope_name}': trainable must be a bool (True or "
+                f"False), got {type(value).__name__} {value!r:.40}."
+            )
+        value = bool(value)
+        for _, x in walk(self):
+            if isinstance(x, Module):
+                object.__setattr__(x, "_ps_trainable", value)
+            elif isinstance(x, Variable):
+                x._freeze(not value)
+
+    @property
     def trainable_variables(self) -> tuple[Variable, ...]:
+        """The variables that train: none when the module is frozen (``trainable = False``)."""
+        if not self.trainable:
+            return ()
         return tuple(self._flatten(lambda x: isinstance(x, Variable) and x.trainable))
 
     @property

@@ -30,12 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from paramstore import constraints as _constraints
 from paramstore import initializers as _init
+from paramstore import regularizers as _regularizers
 from paramstore._core.context import Scope, ctx, prefixed
 from paramstore._core.dtypes import canonical_dtype
 from paramstore._core.store import VariableStore, default_store, preview_names
 from paramstore._variable.initial import flag
-from paramstore.typing import InitializerLike, ShapeLike
+from paramstore.typing import ConstraintLike, InitializerLike, RegularizerLike, ShapeLike
 from paramstore.variable import Variable
 
 __all__ = [
@@ -154,8 +156,16 @@ def get_variable(
     dtype: DTypeLike = jnp.float32,
     initializer: InitializerLike = None,
     trainable: bool = True,
+    regularizer: RegularizerLike | None = None,
+    constraint: ConstraintLike | None = None,
 ) -> Variable:
     """Get or create the variable ``<variable scopes>/name`` of the default store.
+
+    ``regularizer`` (TF1's argument: a callable ``(value) -> scalar`` or a Keras name such
+    as ``"l2"``) is kept with a variable it creates, and counted by
+    ``ps.regularization_loss()`` (TF1's ``tf.losses.get_regularization_loss()``);
+    ``constraint`` (``(value) -> value``) is applied by optimizers after each update. A
+    reused variable keeps those it was created with.
 
     ``initializer`` is an initializer (``init(shape, dtype)``), a concrete value (then
     ``shape`` may be omitted), or None: glorot_uniform for floating dtypes, zeros otherwise.
@@ -171,6 +181,10 @@ def get_variable(
     full = prefixed(name, variable_scopes_only=True)
     trainable = flag(trainable, "trainable", f"get_variable('{full}')")
     initializer = _init.resolve(initializer)
+    hooks = {
+        "regularizer": _regularizers.get(regularizer, f"get_variable('{full}'): regularizer"),
+        "constraint": _constraints.get(constraint, f"get_variable('{full}'): constraint"),
+    }
     reuse = _current_reuse()
     dt = canonical_dtype(dtype, f"variable '{full}'")
     shp = None if shape is None else _as_shape(shape, full)
@@ -190,14 +204,19 @@ def get_variable(
                 f"Variable {full} already exists, disallowed. Did you mean to set reuse=True "
                 "or reuse=ps.AUTO_REUSE in variable_scope?"
             )
-        return _create(full, shp, dt, initializer, trainable)
+        return _create(full, shp, dt, initializer, trainable, hooks)
 
     var: Variable = store.get_or_create(full, get_or_create)
     return var
 
 
 def _create(
-    full: str, shp: tuple[int, ...] | None, dt: Any, initializer: Any, trainable: bool
+    full: str,
+    shp: tuple[int, ...] | None,
+    dt: Any,
+    initializer: Any,
+    trainable: bool,
+    hooks: dict[str, Any],
 ) -> Variable:
     if initializer is None or isinstance(initializer, type):
         if shp is None:
@@ -217,14 +236,14 @@ def _create(
                 )
             return value
 
-        return Variable(initial, trainable=trainable, dtype=dt, _full_name=full)
+        return Variable(initial, trainable=trainable, dtype=dt, _full_name=full, **hooks)
     value = np.asarray(initializer) if not hasattr(initializer, "dtype") else initializer
     if shp is not None and tuple(value.shape) != shp:
         raise ValueError(
             f"get_variable('{full}'): the initializer's shape {tuple(value.shape)} does "
             f"not match shape {shp}."
         )
-    return Variable(value, trainable=trainable, dtype=dt, _full_name=full)
+    return Variable(value, trainable=trainable, dtype=dt, _full_name=full, **hooks)
 
 
 def _as_shape(shape: Any, full: str) -> tuple[int, ...]:

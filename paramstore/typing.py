@@ -16,6 +16,11 @@ Each alias says what a parameter accepts, matching what the code does with it at
   accepts (an initializer, an uncalled factory such as ``ps.initializers.zeros``, a
   concrete value, or None for the default); ``LayerInitializer``: a ``ps.nn`` layer's
   ``*_initializer=`` (an initializer, a ``ps.initializers`` name, or None).
+* ``ConstraintLike``: a constraint (``constraint=``, a layer's ``*_constraint=``): a
+  callable ``(array) -> array`` of the same shape and dtype (``ps.constraints.MaxNorm()``),
+  or a Keras name (``"non_neg"``); ``RegularizerLike``: a regularizer (``regularizer=``, a
+  layer's ``*_regularizer=``): a callable ``(array) -> scalar`` (``ps.regularizers.L2()``),
+  or a Keras name (``"l2"``).
 * ``Index``: an index of ``v[index]`` (what NumPy/JAX indexing accepts).
 * ``DeviceLike``: a device name (``"cpu:0"``, ``"gpu:1"``) or a ``jax.Device``;
   ``PlacementLike``: what ``ps.device`` accepts (also a ``Sharding``, a ``Mesh``, or a
@@ -57,6 +62,7 @@ if TYPE_CHECKING:
     from paramstore.variable import Variable
 
 __all__ = [
+    "ConstraintLike",
     "DeviceLike",
     "HasState",
     "HasVariables",
@@ -67,6 +73,7 @@ __all__ = [
     "LayerInitializer",
     "PlacementLike",
     "PyTree",
+    "RegularizerLike",
     "Shape",
     "ShapeLike",
     "ShardingTargets",
@@ -115,6 +122,14 @@ Index: TypeAlias = Union[None, slice, EllipsisType, ArrayLike, "Variable", Seque
 LayerInitializer: TypeAlias = str | Initializer | Callable[..., ArrayLike] | None
 """A layer's ``*_initializer=`` (``ps.nn``): a ``ps.initializers`` name (``"he_normal"``), an
 ``init(shape, dtype)`` callable, or None for the layer's default."""
+
+ConstraintLike: TypeAlias = str | Callable[[jax.Array], jax.Array]
+"""A constraint: a callable ``(array) -> array`` keeping shape and dtype
+(``ps.constraints.NonNeg()``), or a Keras name (``"non_neg"``, ``"max_norm"``...)."""
+
+RegularizerLike: TypeAlias = str | Callable[[jax.Array], jax.Array]
+"""A regularizer: a callable ``(array) -> scalar`` penalty (``ps.regularizers.L2(0.01)``), or
+a Keras name (``"l1"``, ``"l2"``, ``"l1_l2"``)."""
 
 DeviceLike: TypeAlias = str | jax.Device
 """A device: ``"cpu:0"``, ``"gpu:1"``, ``"/device:GPU:1"``, ``"cpu"``, or a ``jax.Device``."""

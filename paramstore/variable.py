@@ -59,6 +59,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec, Sharding
 from jax.typing import DTypeLike
 
+from paramstore import constraints as _constraints
+from paramstore import regularizers as _regularizers
 from paramstore._core import frames as _trace
 from paramstore._core.context import STATE_LOCK, prefixed
 from paramstore._core.dtypes import STRING, is_key_dtype, shape_error
@@ -72,7 +74,15 @@ from paramstore._variable.creation import abstract_value, created, shaped
 from paramstore._variable.initial import flag, fresh
 from paramstore._variable.slice import VariableSlice
 from paramstore._variable.write import Writes
-from paramstore.typing import DeviceLike, Index, InitialValue, ShapeLike, ValueLike
+from paramstore.typing import (
+    ConstraintLike,
+    DeviceLike,
+    Index,
+    InitialValue,
+    RegularizerLike,
+    ShapeLike,
+    ValueLike,
+)
 
 __all__ = ["Variable", "VariableSlice", "Reference", "set_initial_value"]
 
@@ -111,6 +121,9 @@ class Variable(Writes):
         "_name",
         "_store",  # the VariableStore it is registered in (a failed trace forgets it there)
         "_trainable",
+        "_frozen",  # set by module.trainable = False (v.trainable: _trainable and not _frozen)
+        "_constraint",
+        "_regularizer",
         "_dtype",
         "_shape",
         "_is_string",
@@ -134,6 +147,8 @@ class Variable(Writes):
         sharding: Sharding | Mesh | None = None,
         shape: ShapeLike | None = None,
         partition: Partition | PartitionSpec | None = None,
+        constraint: ConstraintLike | None = None,
+        regularizer: RegularizerLike | None = None,
         _full_name: str | None = None,
     ) -> None:
         if initial_value is _MISSING or initial_value is None:
@@ -146,6 +161,9 @@ class Variable(Writes):
             raise TypeError(f"A variable's name must be a str, got {type(name).__name__}.")
         if trainable is not None:
             flag(trainable, "trainable", f"ps.Variable({name!r})" if name else "ps.Variable")
+        who = f"ps.Variable({name!r})"
+        constraint = _constraints.get(constraint, f"{who}: constraint")
+        regularizer = _regularizers.get(regularizer, f"{who}: regularizer")
         _trace.check_create()
         store = default_store()
         base = None
@@ -159,16 +177,19 @@ class Variable(Writes):
             initial_value = shaped(initial_value, shape, dtype, full_name)
         if _abstract.creating() or isinstance(initial_value, jax.ShapeDtypeStruct):
             struct, make = abstract_value(initial_value, dtype, full_name, part, device, sharding)
+            _check_hooks(constraint, regularizer, struct, full_name)
             self._set_fields(
                 struct, not is_key_dtype(struct.dtype) if trainable is None else trainable, True
             )
             self._partition = part
+            self._constraint, self._regularizer = constraint, regularizer
             self.__class__ = _Abstract
             _abstract.remember(self, make)
             self._store = store
             self._name = store.register(self, full_name, exact=_full_name is not None, base=base)
             return
         value, owned, placed = created(initial_value, dtype, full_name, part, device, sharding)
+        _check_hooks(constraint, regularizer, value, full_name)
         traced = isinstance(value, Tracer)
         if not traced and not isinstance(value, np.ndarray) and placed is not None:
             value = place(value, placed, f"variable '{full_name}'")  # may share a buffer
@@ -177,6 +198,7 @@ class Variable(Writes):
         self._set_fields(value, trainable, owned)
         self._name = full_name
         self._partition = part
+        self._constraint, self._regularizer = constraint, regularizer
         if traced:  # bound in the ps.function trace; its array comes after the trace, made
             _trace.create(self, value)  # by ps.function in a program with this sharding
             placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
@@ -187,6 +209,9 @@ class Variable(Writes):
     def _set_fields(self, value: Any, trainable: bool, owned: bool) -> None:
         ownership.adopt(self, value, owned)
         self._trainable = bool(trainable)
+        self._frozen = False
+        self._constraint = None
+        self._regularizer = None
         self._is_key = is_key_dtype(value.dtype)  # once: issubdtype costs ~1 us a call
         self._dtype = value.dtype if self._is_key else np.dtype(value.dtype)
         self._shape = tuple(value.shape)
@@ -207,7 +232,14 @@ class Variable(Writes):
         """An independent copy: same value, dtype, shape and trainable flag; a new unique
         name (this one's, numbered) in the current default store."""
         value = ownership.copy(self)  # under the lock: copied before any step can donate it
-        new = Variable(value, self._trainable, _full_name=_copy_name(self._name))
+        new = Variable(
+            value,
+            self._trainable,
+            constraint=self._constraint,
+            regularizer=self._regularizer,
+            _full_name=_copy_name(self._name),
+        )
+        new._frozen = self._frozen
         memo[id(self)] = new
         return new
 
@@ -345,6 +377,23 @@ def set_initial_value(var: Variable, value: Any, *, owned: bool | None = None) -
         ownership.initial(var, new)
     else:
         var._write(new, owned=owned)
+
+
+def _check_hooks(constraint: Any, regularizer: Any, value: Any, name: str) -> None:
+    """A constraint must keep the value's shape and dtype, a regularizer give a scalar:
+    checked abstractly before the variable exists (so a bad one creates nothing)."""
+    if constraint is None and regularizer is None:
+        return
+    shape, dtype = tuple(value.shape), value.dtype
+    if is_key_dtype(dtype) or np.dtype(dtype) == STRING:
+        raise TypeError(
+            f"Variable '{name}' holds {'PRNG keys' if is_key_dtype(dtype) else 'strings'}: it "
+            "cannot have a constraint or a regularizer (they apply to numbers)."
+        )
+    if constraint is not None:
+        _constraints.check(constraint, shape, dtype, name)
+    if regularizer is not None:
+        _regularizers.check(regularizer, shape, dtype, name)
 
 
 def _copy_name(name: str) -> str:

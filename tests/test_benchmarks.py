@@ -146,3 +146,21 @@ def test_pretrained_benchmark_prints_its_rows_and_ratios():
         "| examples/gpt2.py load + first logits",
     ):
         assert row in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_recipes_benchmark_prints_its_targets_and_op_counts():
+    root = str(BENCH.parent)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "recipes.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "target: EMA of every parameter, ps / reference" in done.stdout
+    assert "target: all but the head frozen, ps / reference" in done.stdout
+    frozen = re.search(r"\| ps.function, blocks frozen \| (\d+) \|", done.stdout)
+    hand = re.search(r"\| jax.jit, head only \[reference\] \| (\d+) \|", done.stdout)
+    assert frozen and hand and frozen.group(1) == hand.group(1)  # no slot work when frozen

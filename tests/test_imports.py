@@ -42,11 +42,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 # that no entry covers fails test_every_module_is_in_the_layer_table: add it where it belongs.
 LAYERS: list[tuple[str, list[str]]] = [
     ("core", ["typing", "_core"]),
-    ("variable", ["variable", "_variable"]),
+    ("variable", ["variable", "_variable", "constraints", "regularizers"]),
     ("scopes and modules", ["scope", "module", "initializers", "random", "_traverse", "_collect"]),
-    ("functional core", ["functional", "remat"]),
+    ("functional core", ["functional", "remat", "regularization"]),
     ("compiled functions", ["function", "_function", "sharding"]),
-    ("training", ["optimizer", "nn", "metrics", "_display"]),
+    ("training", ["optimizer", "nn", "metrics", "_display", "averaging"]),
     ("checkpoints", ["checkpoint"]),
     ("entry points", ["cli", "demo", "__main__"]),
 ]
@@ -506,6 +506,7 @@ VARIABLE_PACKAGE_INTERFACE = {
     "_is_string",
     "_is_key",
     "_store",
+    "_freeze",
 }
 VARIABLE_LAYER = {
     "variable.py",

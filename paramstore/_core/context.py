@@ -17,11 +17,12 @@ Each thread starts with empty stacks (as TensorFlow's graph and device stacks do
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK"]
+__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "FREEZES"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,23 @@ def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
 # dispatch, swap), holds it, so each is atomic with respect to the variables it touches.
 # Re-entrant: a write path may call another.
 STATE_LOCK = threading.RLock()
+
+
+class _Freezes:
+    """How many times a variable's ``trainable`` flag has changed (``v.trainable = ...``,
+    ``module.trainable = ...``), process-wide. A ``ps.function`` trace records it and,
+    when it has moved, checks the flags of the variables it captured (freezing between
+    calls takes effect: the trace is redone where a flag it saw changed)."""
+
+    __slots__ = ("epoch", "_count")
+
+    def __init__(self) -> None:
+        self._count = itertools.count(1)
+        self.epoch = 0
+
+    def bump(self) -> None:
+        # next() on a count is atomic: threads bumping at once each get a new value
+        self.epoch = next(self._count)
+
+
+FREEZES = _Freezes()

@@ -10,6 +10,7 @@ lookup goes through the type's method cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,8 +19,10 @@ from jax.sharding import Sharding
 
 from paramstore._core import frames as _trace
 from paramstore._core import html as _html
+from paramstore._core.context import FREEZES
 from paramstore._core.jax_api import EVAL, Tracer, current_trace
 from paramstore._core.ownership import Owned, ownership
+from paramstore._variable.initial import flag
 from paramstore._variable.ops import ArrayOps
 
 __all__ = ["Reads"]
@@ -32,6 +35,9 @@ class Reads(ArrayOps, Owned):
     # Variable's slots (set by Variable.__init__; _value/_given/_override: Owned's).
     _name: str
     _trainable: bool
+    _frozen: bool
+    _constraint: Any
+    _regularizer: Any
     _dtype: np.dtype[Any]
     _shape: tuple[int, ...]
     _is_string: bool
@@ -67,7 +73,42 @@ class Reads(ArrayOps, Owned):
 
     @property
     def trainable(self) -> bool:
-        return self._trainable
+        """Whether the variable is trained: its own flag (``trainable=`` at creation,
+        ``v.trainable = False``), unless a Module that holds it is frozen
+        (``module.trainable = False``). Setting it takes effect everywhere at once: in
+        ``m.trainable_variables``, ``ps.trainable``, ``ps.grad`` over Modules, every
+        optimizer (even one built before) and the next call of a ``ps.function``.
+        ``v.trainable = True`` also lifts a Module's freeze from this variable, as in
+        Keras 3. Not a bool: ``TypeError``."""
+        return self._trainable and not self._frozen
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        flag(value, "trainable", f"Variable '{self._name}'")
+        value = bool(value)
+        if value != self.trainable or (value and self._frozen):
+            FREEZES.bump()
+        self._trainable = value  # type: ignore[misc]  # a slot of Variable
+        if value:
+            self._frozen = False  # type: ignore[misc]
+
+    def _freeze(self, frozen: bool) -> None:
+        """Freeze or unfreeze for a Module (``module.trainable = ...``), as Keras 3's
+        ``layer.trainable`` sets its trainable variables' flags: a variable whose own flag
+        is False (created non-trainable, or ``v.trainable = False``) stays non-trainable."""
+        if frozen != self._frozen and self._trainable:
+            FREEZES.bump()
+        self._frozen = frozen  # type: ignore[misc]
+
+    @property
+    def constraint(self) -> Callable[[jax.Array], jax.Array] | None:
+        """The constraint an optimizer applies after each update (``constraint=``), or None."""
+        return self._constraint  # type: ignore[no-any-return]
+
+    @property
+    def regularizer(self) -> Callable[[jax.Array], jax.Array] | None:
+        """The penalty ``ps.regularization_loss`` adds for this variable, or None."""
+        return self._regularizer  # type: ignore[no-any-return]
 
     @property
     def dtype(self) -> np.dtype[Any]:

@@ -31,7 +31,9 @@ from typing import Any, ClassVar, cast
 import jax
 import jax.numpy as jnp
 
+from paramstore import constraints as _constraints
 from paramstore import initializers as _init
+from paramstore import regularizers as _regularizers
 from paramstore._display.summary import summary
 from paramstore.module import Module
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
@@ -42,9 +44,11 @@ __all__ = [
     "Shape",
     "as_float",
     "features",
+    "hooks",
     "initializer",
     "keras_name",
     "resolve_activation",
+    "set_hooks",
 ]
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -129,6 +133,24 @@ def initializer(init: LayerInitializer, default: Initializer, layer: str, what: 
     return cast(Initializer, init)
 
 
+def set_hooks(layer: Layer, **given: Any) -> None:
+    """Resolve a layer's ``<weight>_regularizer=`` / ``<weight>_constraint=`` arguments (an
+    object, a Keras name, a callable or None) and keep them as attributes of the same name
+    (as Keras' ``layer.kernel_regularizer``); a bad one raises naming the layer and argument."""
+    kind = type(layer).__name__
+    for arg, value in given.items():
+        get = _regularizers.get if arg.endswith("_regularizer") else _constraints.get
+        setattr(layer, arg, get(value, f"{kind}: {arg}"))
+
+
+def hooks(layer: Layer, weight: str) -> dict[str, Any]:
+    """``regularizer=`` and ``constraint=`` for the layer's variable ``weight``."""
+    return {
+        "regularizer": getattr(layer, f"{weight}_regularizer", None),
+        "constraint": getattr(layer, f"{weight}_constraint", None),
+    }
+
+
 def as_float(x: ValueLike, layer: Layer | str = "this layer") -> jax.Array:
     """``x`` as an array; integers and bools become float32 (as Keras casts inputs). A complex
     input is refused (a layer's real weights would silently drop its imaginary part)."""
@@ -195,6 +217,8 @@ def _guarded(build: Callable[..., None]) -> Callable[..., None]:
                     self.check_shape(*dims)
                     with self.name_scope:
                         build(self, *dims)
+                    if not self.trainable:  # frozen before it was built: so are its variables
+                        self.trainable = False
                     self._built_shapes = dims
                     self.built = True  # last: other threads read the variables after this
                     return
@@ -229,6 +253,8 @@ class Layer(Module):
 
     built: bool
     variable_names: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``training=`` may be a traced boolean scalar (paramstore/_core/training.py).
+    traced_training: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

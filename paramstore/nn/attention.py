@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from paramstore import initializers as _init
 from paramstore import scope as _scope
 from paramstore._core.layout import Partition
-from paramstore.nn._base import Layer, Shape, as_float, initializer
-from paramstore.typing import LayerInitializer, ValueLike
+from paramstore.nn._base import Layer, Shape, as_float, hooks, initializer, set_hooks
+from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["MultiHeadAttention"]
@@ -52,8 +52,20 @@ class MultiHeadAttention(Layer):
         bias_partition: Partition | None = None,
         output_kernel_partition: Partition | None = None,
         output_bias_partition: Partition | None = None,
+        kernel_regularizer: RegularizerLike | None = None,
+        bias_regularizer: RegularizerLike | None = None,
+        kernel_constraint: ConstraintLike | None = None,
+        bias_constraint: ConstraintLike | None = None,
     ) -> None:
         super().__init__(name=name)
+        set_hooks(
+            self,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+        )
+
         self._partitions = {
             "": (kernel_partition, bias_partition),
             "attention_output": (output_kernel_partition, output_bias_partition),
@@ -77,11 +89,14 @@ class MultiHeadAttention(Layer):
         k_part, b_part = self._partitions.get(scope, self._partitions[""])
         with _scope.name_scope(scope):
             self.weights[f"{scope}/kernel"] = Variable(
-                lambda: k_init(shape), name="kernel", partition=k_part
+                lambda: k_init(shape), name="kernel", partition=k_part, **hooks(self, "kernel")
             )
             if self.use_bias:
                 self.weights[f"{scope}/bias"] = Variable(
-                    lambda: _init.zeros()(bias), name="bias", partition=b_part
+                    lambda: _init.zeros()(bias),
+                    name="bias",
+                    partition=b_part,
+                    **hooks(self, "bias"),
                 )
 
     def build(

@@ -13,11 +13,13 @@ from paramstore.nn._base import (
     Layer,
     Shape,
     as_float,
+    hooks,
     initializer,
     keras_name,
     resolve_activation,
+    set_hooks,
 )
-from paramstore.typing import LayerInitializer, ValueLike
+from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Conv1D", "Conv2D", "window", "check_windows"]
@@ -87,9 +89,21 @@ class _Conv(Layer):
         *,
         kernel_partition: Partition | None = None,
         bias_partition: Partition | None = None,
+        kernel_regularizer: RegularizerLike | None = None,
+        bias_regularizer: RegularizerLike | None = None,
+        kernel_constraint: ConstraintLike | None = None,
+        bias_constraint: ConstraintLike | None = None,
     ) -> None:
         kind = type(self).__name__
         super().__init__(name=name or keras_name(kind))
+        set_hooks(
+            self,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+        )
+
         if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
             raise ValueError(f"{kind}: filters must be a positive int, got {filters!r}.")
         n = self.spatial
@@ -130,9 +144,13 @@ class _Conv(Layer):
             )
         kshape = (*self.kernel_size, input_shape[-1], filters)
         k_part, b_part = self._partitions
-        self.kernel = Variable(lambda: k_init(kshape), name="kernel", partition=k_part)
+        self.kernel = Variable(
+            lambda: k_init(kshape), name="kernel", partition=k_part, **hooks(self, "kernel")
+        )
         self.bias = (
-            Variable(lambda: b_init((filters,)), name="bias", partition=b_part)
+            Variable(
+                lambda: b_init((filters,)), name="bias", partition=b_part, **hooks(self, "bias")
+            )
             if self.use_bias
             else None
         )

@@ -21,10 +21,12 @@ from paramstore.nn._base import (
     Shape,
     as_float,
     features,
+    hooks,
     initializer,
     resolve_activation,
+    set_hooks,
 )
-from paramstore.typing import LayerInitializer, ValueLike
+from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Dense", "Embedding", "Dropout", "Sequential"]
@@ -55,9 +57,21 @@ class Dense(Layer):
         *,
         kernel_partition: Partition | None = None,
         bias_partition: Partition | None = None,
+        kernel_regularizer: RegularizerLike | None = None,
+        bias_regularizer: RegularizerLike | None = None,
+        kernel_constraint: ConstraintLike | None = None,
+        bias_constraint: ConstraintLike | None = None,
     ) -> None:
         super().__init__(name=name)
         self._partitions = (kernel_partition, bias_partition)
+        set_hooks(
+            self,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+        )
+
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"Dense: units must be a positive int, got {units!r}.")
         self.units = units
@@ -71,9 +85,11 @@ class Dense(Layer):
     def build(self, input_shape: Shape) -> None:
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
         n_in, (k_part, b_part) = features(self, input_shape), self._partitions
-        self.kernel = Variable(lambda: k_init((n_in, units)), name="kernel", partition=k_part)
+        self.kernel = Variable(
+            lambda: k_init((n_in, units)), name="kernel", partition=k_part, **hooks(self, "kernel")
+        )
         self.bias = (
-            Variable(lambda: b_init((units,)), name="bias", partition=b_part)
+            Variable(lambda: b_init((units,)), name="bias", partition=b_part, **hooks(self, "bias"))
             if self.use_bias
             else None
         )
@@ -108,9 +124,16 @@ class Embedding(Layer):
         name: str | None = None,
         *,
         embeddings_partition: Partition | None = None,
+        embeddings_regularizer: RegularizerLike | None = None,
+        embeddings_constraint: ConstraintLike | None = None,
     ) -> None:
         super().__init__(name=name)
         self._partition = embeddings_partition
+        set_hooks(
+            self,
+            embeddings_regularizer=embeddings_regularizer,
+            embeddings_constraint=embeddings_constraint,
+        )
         for what, n in (("input_dim", input_dim), ("output_dim", output_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"Embedding: {what} must be a positive int, got {n!r}.")
@@ -125,7 +148,10 @@ class Embedding(Layer):
     def build(self, input_shape: Shape) -> None:
         init, shape = self._init, (self.input_dim, self.output_dim)
         self.embeddings = Variable(
-            lambda: init(shape), name="embeddings", partition=self._partition
+            lambda: init(shape),
+            name="embeddings",
+            partition=self._partition,
+            **hooks(self, "embeddings"),
         )
 
     def check_shape(self, *shapes: Shape | None) -> None:
@@ -187,13 +213,19 @@ class Dropout(Layer):
         self.generator = generator
         self.built = True
 
-    def __call__(self, x: ValueLike, training: bool = False) -> jax.Array:
+    traced_training = True
+
+    def __call__(self, x: ValueLike, training: bool | jax.Array = False) -> jax.Array:
+        """``training`` may also be a boolean scalar array (traced): then the mask is drawn
+        (the generator advances) and ``jnp.where`` picks the dropped or the plain input."""
         x = jnp.asarray(x)
-        if not training or self.rate == 0.0:
+        traced = isinstance(training, jax.Array)
+        if (not traced and not training) or self.rate == 0.0:
             return x
         key = self.generator.key() if self.generator is not None else _random.next_key()
         keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
-        return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+        out = jnp.where(keep, x / (1.0 - self.rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+        return jnp.where(training, out, x) if traced else out
 
 
 def _takes_training(layer: Callable[..., Any]) -> bool:
@@ -239,7 +271,9 @@ class Sequential(Layer):
     def check_built(self, *shapes: Shape | None) -> None:
         """Each layer checks its own input."""
 
-    def __call__(self, x: Any, training: bool | None = None) -> Any:
+    traced_training = True
+
+    def __call__(self, x: Any, training: bool | jax.Array | None = None) -> Any:
         for layer in self.layers:
             if training is not None and _takes_training(layer):
                 x = layer(x, training=training)

@@ -103,27 +103,38 @@ class BatchNormalization(Layer):
             lambda: _init.ones()((n,)), trainable=False, name="moving_variance"
         )
 
-    def __call__(self, x: ValueLike, training: bool = False) -> jax.Array:
+    traced_training = True
+
+    def __call__(self, x: ValueLike, training: bool | jax.Array = False) -> jax.Array:
+        """Batch statistics when ``training`` (and the layer is trainable: a frozen
+        BatchNormalization runs in inference mode, as in Keras 3); ``training`` may be a
+        boolean scalar array (traced): both are computed and ``jnp.where`` picks one."""
         x = as_float(x, self)
-        if training and x.ndim < 2:
+        traced = isinstance(training, jax.Array)
+        if not traced:
+            training = bool(training) and self.trainable
+        if (traced or training) and x.ndim < 2:
             raise ValueError(
                 f"{self.describe()} in training mode needs a batch axis, got an input of "
                 f"shape {tuple(x.shape)}."
             )
         self.ensure_built(tuple(x.shape))
-        if training:
+        mean, var = self.moving_mean.value(), self.moving_variance.value()
+        if traced or training:
             axes = tuple(range(x.ndim - 1))
-            mean = jnp.mean(x, axis=axes)
-            var = jnp.mean(jnp.square(x - mean), axis=axes)
+            batch_mean = jnp.mean(x, axis=axes)
+            batch_var = jnp.mean(jnp.square(x - batch_mean), axis=axes)
             m = self.momentum
-            stats = jax.lax.stop_gradient((mean, var))
-            new_mean = self.moving_mean.value() * m + stats[0] * (1.0 - m)
-            new_var = self.moving_variance.value() * m + stats[1] * (1.0 - m)
-            self.moving_mean.assign(new_mean.astype(self.moving_mean.dtype), read_value=False)
-            self.moving_variance.assign(
-                new_var.astype(self.moving_variance.dtype), read_value=False
-            )
-        else:
-            mean, var = self.moving_mean.value(), self.moving_variance.value()
+            stats = jax.lax.stop_gradient((batch_mean, batch_var))
+            new_mean = (mean * m + stats[0] * (1.0 - m)).astype(self.moving_mean.dtype)
+            new_var = (var * m + stats[1] * (1.0 - m)).astype(self.moving_variance.dtype)
+            if traced:
+                on = jnp.logical_and(training, self.trainable)
+                new_mean, new_var = jnp.where(on, new_mean, mean), jnp.where(on, new_var, var)
+                batch_mean = jnp.where(on, batch_mean, mean)
+                batch_var = jnp.where(on, batch_var, var)
+            self.moving_mean.assign(new_mean, read_value=False)
+            self.moving_variance.assign(new_var, read_value=False)
+            mean, var = batch_mean, batch_var
         y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
         return y * self.gamma.value() + self.beta.value()

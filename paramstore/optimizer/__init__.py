@@ -114,6 +114,7 @@ _OWN_ATTRIBUTES = frozenset(
         "_treedef",
         "_state_variables",
         "_state_keys",
+        "_slot_owners",
         "_hyper",
         "_compiled",
         "_placement",
@@ -229,6 +230,7 @@ class Optimizer(Module):
             ]
         if abstract:
             defer_init(tx, targets, self._state_variables, self._placement.value.active)
+        self._slot_owners = _Hidden(owners)
         # checkpoint keys: a slot under its parameter's path, never its position
         self._state_keys: list[Key] = [
             slot if owner is None else Relative(owner, slot[len(owner.name) + 1 :], slot)
@@ -363,6 +365,14 @@ class Optimizer(Module):
         """One step: read, ``tx.update``, ``optax.apply_updates``, check, assign."""
         targets: Targets = self._targets.value
         params = targets.params()
+        frozen = targets.frozen()
+        if any(frozen):  # zeros in, and nothing of theirs written back (so XLA drops it)
+            zeros = [
+                jnp.zeros(v.shape, v.dtype) if f else x
+                for v, f, x in zip(targets.variables, frozen, targets.entries(grads))
+            ]
+            grads = targets.tree(zeros)
+        still = {id(v) for v, f in zip(targets.variables, frozen) if f}
         state_vars: list[Variable] = self._state_variables
         place = self._placement.value
         values = place.fetch([v.value() for v in state_vars])  # where the update is computed
@@ -376,7 +386,7 @@ class Optimizer(Module):
                 f"tx.init's:\n{new_def}\nvs\n{self._treedef}"
             )
         # check everything before assigning anything: a step is all or nothing
-        writes: list[tuple[Variable, Any]] = []
+        checked = []
         for var, x in zip(state_vars, new_leaves):
             x = jnp.asarray(x)
             if tuple(x.shape) != var.shape:
@@ -384,17 +394,23 @@ class Optimizer(Module):
                     f"ps.Optimizer: tx.update changed the shape of state '{var.name}' from "
                     f"{var.shape} to {tuple(x.shape)}."
                 )
-            writes.append((var, x.astype(var.dtype) if x.dtype != var.dtype else x))
-        homed = place.store([x for _, x in writes])  # back where the slots live
-        writes = [(var, x) for (var, _), x in zip(writes, homed)]
-        for var, x, opt in zip(targets.variables, new_params, targets.optimized):
-            if not opt:
+            checked.append(x.astype(var.dtype) if x.dtype != var.dtype else x)
+        homed = place.store(checked)  # back where the slots live (aligned with self.homes)
+        writes: list[tuple[Variable, Any]] = [
+            (var, x)
+            for var, x, owner in zip(state_vars, homed, self._slot_owners.value)
+            if owner is None or id(owner) not in still  # a frozen variable's slot: unchanged
+        ]
+        for var, x, opt, f in zip(targets.variables, new_params, targets.optimized, frozen):
+            if not opt or f:
                 continue
             if x is None or tuple(jnp.shape(x)) != var.shape:
                 raise ValueError(
                     f"ps.Optimizer: the update for variable '{var.name}' has shape "
                     f"{None if x is None else tuple(jnp.shape(x))}, not {var.shape}."
                 )
+            if var.constraint is not None:  # as Keras 3: projected after each update
+                x = constrained(var, x)
             writes.append((var, x))
         with deferred():  # all or nothing, Ctrl-C included (held back to the end)
             for var, x in writes:
@@ -407,6 +423,22 @@ class Optimizer(Module):
             f"variables, {len(self._state_variables)} state variables, "
             f"iterations={self._iterations.value()!s}>"
         )
+
+
+def constrained(var: Variable, x: Any) -> Any:
+    """``var.constraint(x)``, checked to keep the shape and dtype (before anything is
+    assigned: a step is all or nothing)."""
+    x = jnp.asarray(x).astype(var.dtype)
+    constraint = var.constraint
+    assert constraint is not None
+    out = constraint(x)
+    if tuple(jnp.shape(out)) != var.shape or jnp.result_type(out) != var.dtype:
+        raise ValueError(
+            f"ps.Optimizer: the constraint of variable '{var.name}' ({var.constraint!r:.60}) "
+            f"returned shape {tuple(jnp.shape(out))} dtype {jnp.result_type(out)} for its "
+            f"{var.shape} {var.dtype} value; a constraint must keep both. Nothing was changed."
+        )
+    return out
 
 
 def _zero_int32() -> jax.Array:

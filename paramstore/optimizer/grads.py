@@ -86,6 +86,7 @@ class Targets:
     variables: tuple[Variable, ...]
     optimized: tuple[bool, ...]
     parsed: Parsed  # the collection as ps.grad reads it (its gradients' structure)
+    source: Any  # the collection itself: re-read when some of its variables are frozen
 
     @staticmethod
     def parse(variables: Any) -> Targets:
@@ -130,7 +131,7 @@ class Targets:
                 f"variable ({', '.join(v.name for v in found)}), so there is nothing to "
                 "optimize."
             )
-        return Targets(kind, tuple(keys), tuple(found), optimized, parsed)
+        return Targets(kind, tuple(keys), tuple(found), optimized, parsed, variables)
 
     # ------------------------------------------------------------ the optax pytree
 
@@ -151,13 +152,73 @@ class Targets:
             if self.optimized[i]
         }
 
+    def frozen(self) -> tuple[bool, ...]:
+        """Per variable: optimized, but frozen now (``trainable`` False): left alone."""
+        return tuple(o and not v.trainable for v, o in zip(self.variables, self.optimized))
+
     def params(self) -> Any:
         return self.tree([v.value() if o else None for v, o in zip(self.variables, self.optimized)])
 
     # ------------------------------------------------------------ gradient intake
 
     def gradients(self, g: Any) -> list[Any]:
-        """The checked gradients aligned with the variables (see the module docstring)."""
+        """The checked gradients aligned with the variables (see the module docstring);
+        None for a frozen variable, whose gradient may be left out (``ps.grad`` over a
+        Module gives none for it) and is ignored when given."""
+        frozen = self.frozen()
+        if any(frozen):
+            return self._frozen_gradients(g, frozen)
+        return self._gradients(g)
+
+    def _frozen_gradients(self, g: Any, frozen: tuple[bool, ...]) -> list[Any]:
+        """``gradients`` while some variables are frozen: the gradients may come in the
+        structure the collection has now (its frozen variables left out), or in full."""
+        n = len(self.variables)
+        if isinstance(g, Mapping) and self.keys:
+            full = {k: g.get(k) for k in self.keys}
+            unexpected = [k for k in g if k not in full]
+            if not unexpected:
+                g = full
+        elif not isinstance(g, (list, tuple)) and isinstance(g, Iterable):
+            g = list(g)
+        if (
+            isinstance(g, (list, tuple))
+            and g
+            and all(
+                isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], Variable)
+                for p in g
+            )
+        ):
+            index = {v.ref(): i for i, v in enumerate(self.variables)}
+            given = {index.get(p[1].ref()) for p in g}
+            g = [
+                *g,
+                *((None, v) for i, v in enumerate(self.variables) if frozen[i] and i not in given),
+            ]
+        elif (
+            self.kind in ("module", "nested")
+            and isinstance(g, (list, tuple))
+            and not (len(g) == n and (self.kind == "module" or _flat(g, n)))
+        ):
+            now = parse(self.source, trainable=True)
+            try:
+                flat = list(g) if _flat(g, len(now.variables)) else now.flatten(g)
+            except ValueError as e:
+                raise _error(
+                    f" expects gradients in the structure ps.grad returns for the optimizer's "
+                    f"collection (its frozen variables left out), or in full: {e}"
+                ) from None
+            if len(flat) != len(now.variables):
+                raise _error(
+                    f" got {len(flat)} gradients for the {len(now.variables)} trainable "
+                    f"variables of the optimizer's collection (or {n} in full)."
+                )
+            by_id = {id(v): x for v, x in zip(now.variables, flat)}
+            g = [by_id.get(id(v)) for v in self.variables]
+        grads = self._gradients(g, frozen)
+        return [None if f else x for x, f in zip(grads, frozen)]
+
+    def _gradients(self, g: Any, frozen: tuple[bool, ...] = ()) -> list[Any]:
         n, kind = len(self.variables), self.kind
         what = f"{_KINDS[kind]} of {n} variables"
         if isinstance(g, (Variable, jax.Array, np.ndarray)) or np.isscalar(g) or g is None:
@@ -180,7 +241,7 @@ class Targets:
                     ": the gradients' keys do not match the variables': "
                     f"missing {missing}, unexpected {unexpected}."
                 )
-            return [self._check(i, g[k]) for i, k in enumerate(self.keys)]
+            return [self._check(i, g[k], frozen) for i, k in enumerate(self.keys)]
         if not isinstance(g, (list, tuple)):
             if not isinstance(g, Iterable):
                 raise _error(
@@ -189,11 +250,11 @@ class Targets:
                 )
             g = list(g)
             if not g:
-                return self._from_pairs(g)
+                return self._from_pairs(g, frozen)
         if g and all(
             isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], Variable) for p in g
         ):
-            return self._from_pairs(list(g))
+            return self._from_pairs(list(g), frozen)
         if kind == "dict":
             raise _error(
                 f" got a {type(g).__name__} of gradients, but this optimizer was built over "
@@ -216,9 +277,9 @@ class Targets:
                     "built; create it after the model's variables exist)"
                 )
             raise _error(f" got {len(g)} gradients for {what}{hint}.")
-        return [self._check(i, x) for i, x in enumerate(g)]
+        return [self._check(i, x, frozen) for i, x in enumerate(g)]
 
-    def _from_pairs(self, pairs: list[Any]) -> list[Any]:
+    def _from_pairs(self, pairs: list[Any], frozen: tuple[bool, ...] = ()) -> list[Any]:
         """The gradients of ``zip(grads, vars)`` aligned with the variables."""
         index = {v.ref(): i for i, v in enumerate(self.variables)}
         found: dict[int, Any] = {}
@@ -256,11 +317,11 @@ class Targets:
                 "(zeros to leave one as it is), or build an optimizer over the variables you "
                 "train."
             )
-        return [self._check(i, found.get(i)) for i in range(len(self.variables))]
+        return [self._check(i, found.get(i), frozen) for i in range(len(self.variables))]
 
-    def _check(self, i: int, grad: Any) -> Any:
+    def _check(self, i: int, grad: Any, frozen: tuple[bool, ...] = ()) -> Any:
         var = self.variables[i]
-        if not self.optimized[i]:
+        if not self.optimized[i] or (frozen and frozen[i]):
             return None
         if grad is None:
             raise _error(

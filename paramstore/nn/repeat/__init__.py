@@ -150,6 +150,8 @@ class Repeat(Layer):
                 dtype=None if v._is_key else v.dtype,
                 sharding=stacked_sharding(v),
                 partition=stacked_partition(v),
+                constraint=None if v.constraint is None else jax.vmap(v.constraint),
+                regularizer=v.regularizer,  # a sum over the blocks (L1, L2...): the same
                 _full_name=v.name,
             )
         t.tvars = [keys[k] for k in order]
