@@ -3,7 +3,16 @@
 See ``docs/api.md`` for the reference; each module's docstring states its part of it.
 """
 
-from paramstore import checkpoint, initializers, metrics, nn, random, sharding, typing
+from paramstore import (
+    checkpoint,
+    initializers,
+    metrics,
+    mixed_precision,
+    nn,
+    random,
+    sharding,
+    typing,
+)
 from paramstore._core.placement import device
 from paramstore._display.display import display
 from paramstore._display.summary import summary
@@ -61,6 +70,7 @@ __all__ = [
     "initialize",
     "initializers",
     "metrics",
+    "mixed_precision",
     "name_scope",
     "nn",
     "non_trainable",

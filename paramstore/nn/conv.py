@@ -11,6 +11,7 @@ from paramstore._core.layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,
+    PolicyLike,
     Shape,
     as_float,
     initializer,
@@ -87,9 +88,10 @@ class _Conv(Layer):
         *,
         kernel_partition: Partition | None = None,
         bias_partition: Partition | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
         kind = type(self).__name__
-        super().__init__(name=name or keras_name(kind))
+        super().__init__(name=name or keras_name(kind), dtype=dtype)
         if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
             raise ValueError(f"{kind}: filters must be a positive int, got {filters!r}.")
         n = self.spatial
@@ -130,11 +132,9 @@ class _Conv(Layer):
             )
         kshape = (*self.kernel_size, input_shape[-1], filters)
         k_part, b_part = self._partitions
-        self.kernel = Variable(lambda: k_init(kshape), name="kernel", partition=k_part)
+        self.kernel = self.add_weight("kernel", kshape, k_init, partition=k_part)
         self.bias = (
-            Variable(lambda: b_init((filters,)), name="bias", partition=b_part)
-            if self.use_bias
-            else None
+            self.add_weight("bias", (filters,), b_init, partition=b_part) if self.use_bias else None
         )
 
     def __call__(self, x: ValueLike) -> jax.Array:
@@ -144,13 +144,13 @@ class _Conv(Layer):
         layout = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}[n]
         y = jax.lax.conv_general_dilated(
             x,
-            self.kernel.value().astype(x.dtype),
+            self.cast(self.kernel),
             window_strides=self.strides,
             padding=self.padding.upper(),
             dimension_numbers=layout,
         )
         if self.bias is not None:
-            y = y + self.bias.value()
+            y = y + self.cast(self.bias)
         return y if self.activation is None else self.activation(y)
 
 

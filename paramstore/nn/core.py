@@ -18,8 +18,10 @@ from paramstore._core.layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,
+    PolicyLike,
     Shape,
     as_float,
+    autocast,
     features,
     initializer,
     resolve_activation,
@@ -55,8 +57,9 @@ class Dense(Layer):
         *,
         kernel_partition: Partition | None = None,
         bias_partition: Partition | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         self._partitions = (kernel_partition, bias_partition)
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"Dense: units must be a positive int, got {units!r}.")
@@ -71,11 +74,9 @@ class Dense(Layer):
     def build(self, input_shape: Shape) -> None:
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
         n_in, (k_part, b_part) = features(self, input_shape), self._partitions
-        self.kernel = Variable(lambda: k_init((n_in, units)), name="kernel", partition=k_part)
+        self.kernel = self.add_weight("kernel", (n_in, units), k_init, partition=k_part)
         self.bias = (
-            Variable(lambda: b_init((units,)), name="bias", partition=b_part)
-            if self.use_bias
-            else None
+            self.add_weight("bias", (units,), b_init, partition=b_part) if self.use_bias else None
         )
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
@@ -84,9 +85,9 @@ class Dense(Layer):
     def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
-        y = jnp.matmul(x, self.kernel.value())
+        y = jnp.matmul(x, self.cast(self.kernel))
         if self.bias is not None:
-            y = y + self.bias.value()
+            y = y + self.cast(self.bias)
         return y if self.activation is None else self.activation(y)
 
 
@@ -108,8 +109,9 @@ class Embedding(Layer):
         name: str | None = None,
         *,
         embeddings_partition: Partition | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         self._partition = embeddings_partition
         for what, n in (("input_dim", input_dim), ("output_dim", output_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -123,9 +125,9 @@ class Embedding(Layer):
         )
 
     def build(self, input_shape: Shape) -> None:
-        init, shape = self._init, (self.input_dim, self.output_dim)
-        self.embeddings = Variable(
-            lambda: init(shape), name="embeddings", partition=self._partition
+        shape = (self.input_dim, self.output_dim)
+        self.embeddings = self.add_weight(
+            "embeddings", shape, self._init, partition=self._partition
         )
 
     def check_shape(self, *shapes: Shape | None) -> None:
@@ -155,7 +157,10 @@ class Embedding(Layer):
         # Traced ids cannot be checked: an id outside [0, input_dim) gives a row of NaN
         # (never a wrapped or clipped row), as documented in docs/layers.md.
         safe = jnp.where((ids < 0) | (ids >= self.input_dim), self.input_dim, ids)
-        return jnp.take(self.embeddings.value(), safe, axis=0, mode="fill", fill_value=jnp.nan)
+        table = self.embeddings.value()  # Keras 3 does not autocast the table: the rows are
+        # taken in the variable dtype, then cast to the compute dtype
+        out = jnp.take(table, safe, axis=0, mode="fill", fill_value=jnp.nan)
+        return out.astype(self.compute_dtype)
 
 
 class Dropout(Layer):
@@ -169,9 +174,14 @@ class Dropout(Layer):
     generator: _random.Generator | None
 
     def __init__(
-        self, rate: float, generator: _random.Generator | None = None, name: str | None = None
+        self,
+        rate: float,
+        generator: _random.Generator | None = None,
+        name: str | None = None,
+        *,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
             raise TypeError(f"Dropout: rate must be a number in [0, 1), got {rate!r}.")
         if not 0.0 <= float(rate) < 1.0:
@@ -188,7 +198,7 @@ class Dropout(Layer):
         self.built = True
 
     def __call__(self, x: ValueLike, training: bool = False) -> jax.Array:
-        x = jnp.asarray(x)
+        x = autocast(jnp.asarray(x), self)
         if not training or self.rate == 0.0:
             return x
         key = self.generator.key() if self.generator is not None else _random.next_key()
@@ -213,8 +223,14 @@ class Sequential(Layer):
     produce (found with ``jax.eval_shape``, after the layer is built); the first call does
     the same with real inputs."""
 
-    def __init__(self, layers: Iterable[Callable[..., Any]] = (), name: str | None = None) -> None:
-        super().__init__(name=name)
+    def __init__(
+        self,
+        layers: Iterable[Callable[..., Any]] = (),
+        name: str | None = None,
+        *,
+        dtype: PolicyLike = None,
+    ) -> None:
+        super().__init__(name=name, dtype=dtype)
         self.layers: list[Callable[..., Any]] = []
         for layer in layers:
             self.add(layer)
@@ -240,6 +256,7 @@ class Sequential(Layer):
         """Each layer checks its own input."""
 
     def __call__(self, x: Any, training: bool | None = None) -> Any:
+        x = autocast(x, self)  # the layers inside cast to their own policies
         for layer in self.layers:
             if training is not None and _takes_training(layer):
                 x = layer(x, training=training)
