@@ -32,6 +32,7 @@ from paramstore.functional import (
 )
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
+from paramstore.optimizer.loss_scale import LossScaleOptimizer
 from paramstore.remat import remat
 from paramstore.scope import (
     AUTO_REUSE,
@@ -51,6 +52,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointManager",
     "Function",
+    "LossScaleOptimizer",
     "Module",
     "Optimizer",
     "Reference",

@@ -337,6 +337,16 @@ class Optimizer(Module):
 
     def _step(self, grads: Any, extra_args: Mapping[str, Any]) -> None:
         """One step: read, ``tx.update``, ``optax.apply_updates``, check, assign."""
+        for var, x in self._new_values(grads, extra_args):
+            var.assign(x, read_value=False)
+        self._iterations.assign_add(1, read_value=False)
+
+    def _new_values(
+        self, grads: Any, extra_args: Mapping[str, Any]
+    ) -> list[tuple[Variable, jax.Array]]:
+        """What one step would assign (state and parameters, checked), assigning nothing;
+        ``iterations`` aside (``LossScaleOptimizer`` selects between these and the old
+        values)."""
         targets: Targets = self._targets.value
         params = targets.params()
         state_vars: list[Variable] = self._state_variables
@@ -368,9 +378,7 @@ class Optimizer(Module):
                     f"{None if x is None else tuple(jnp.shape(x))}, not {var.shape}."
                 )
             writes.append((var, x))
-        for var, x in writes:
-            var.assign(x, read_value=False)
-        self._iterations.assign_add(1, read_value=False)
+        return writes
 
     def __repr__(self) -> str:
         return (
