@@ -20,6 +20,7 @@ from paramstore._core import frames as _trace
 from paramstore._core import html as _html
 from paramstore._core.jax_api import EVAL, Tracer, current_trace
 from paramstore._core.ownership import ownership
+from paramstore._variable.initial import flag
 from paramstore._variable.ops import ArrayOps
 
 __all__ = ["Reads"]
@@ -67,7 +68,14 @@ class Reads(ArrayOps):
 
     @property
     def trainable(self) -> bool:
+        """Whether optimizers and ``ps.trainable`` treat the variable as trained;
+        settable (``v.trainable = False``, a bool only, as Keras 3 allows)."""
         return self._trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        flag(value, "trainable", f"Variable '{self._name}'")
+        self._trainable = bool(value)  # type: ignore[misc]  # a slot of Variable
 
     @property
     def dtype(self) -> np.dtype[Any]:

@@ -26,13 +26,14 @@ from paramstore.nn._base import (
     initializer,
     resolve_activation,
 )
+from paramstore.nn._lora import LoRALayer
 from paramstore.typing import LayerInitializer, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Dense", "Embedding", "Dropout", "Sequential"]
 
 
-class Dense(Layer):
+class Dense(LoRALayer):
     """``activation(x @ kernel + bias)`` over the last axis, as ``keras.layers.Dense``.
 
     ``kernel`` has shape ``(in, units)`` (``in`` is the last axis of the first input),
@@ -40,11 +41,16 @@ class Dense(Layer):
     or a Keras name (``"relu"``). Integer inputs are cast to float32; complex ones refused.
     ``kernel_partition`` and ``bias_partition`` are the variables' ``partition=`` (logical
     axis names, e.g. ``("embed", "mlp")``; see ``ps.sharding.axis_rules``).
+    ``lora_rank``/``lora_alpha`` and ``enable_lora``/``merge_lora``: LoRA on the kernel, as
+    Keras 3 (``lora_kernel_a`` ``(in, rank)``, ``lora_kernel_b`` ``(rank, units)``; see
+    ``paramstore.nn._lora``).
     """
 
     variable_names = ("kernel", "bias")
     kernel: Variable
     bias: Variable | None
+    lora_kernel_a: Variable
+    lora_kernel_b: Variable
 
     def __init__(
         self,
@@ -58,6 +64,8 @@ class Dense(Layer):
         kernel_partition: Partition | None = None,
         bias_partition: Partition | None = None,
         dtype: PolicyLike = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
     ) -> None:
         super().__init__(name=name, dtype=dtype)
         self._partitions = (kernel_partition, bias_partition)
@@ -70,6 +78,7 @@ class Dense(Layer):
             kernel_initializer, _init.glorot_uniform(), "Dense", "kernel_initializer"
         )
         self._bias_init = initializer(bias_initializer, _init.zeros(), "Dense", "bias_initializer")
+        self._init_lora(lora_rank, lora_alpha)
 
     def build(self, input_shape: Shape) -> None:
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
@@ -78,6 +87,7 @@ class Dense(Layer):
         self.bias = (
             self.add_weight("bias", (units,), b_init, partition=b_part) if self.use_bias else None
         )
+        self._build_lora()
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
         return (*input_shape[:-1], self.units)
@@ -85,21 +95,32 @@ class Dense(Layer):
     def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
-        y = jnp.matmul(x, self.cast(self.kernel))
+        kernel = self.cast(self.kernel)
+        if self.lora_enabled:  # as Keras 3: in the compute dtype (a and b autocast)
+            scale = self.lora_alpha / self.lora_rank  # type: ignore[operator]
+            delta = jnp.matmul(self.cast(self.lora_kernel_a), self.cast(self.lora_kernel_b))
+            kernel = (kernel + scale * delta).astype(self.compute_dtype)
+        y = jnp.matmul(x, kernel)
         if self.bias is not None:
             y = y + self.cast(self.bias)
         return y if self.activation is None else self.activation(y)
 
 
-class Embedding(Layer):
+class Embedding(LoRALayer):
     """A lookup table ``embeddings`` ``(input_dim, output_dim)``, as ``keras.layers.Embedding``
     (initialized uniformly in [-0.05, 0.05]). Inputs must be integer indices; the output has
     shape ``x.shape + (output_dim,)``. An id outside ``[0, input_dim)`` raises eagerly; in a
     trace (where ids are not known) it gives a row of NaN. ``embeddings_partition`` is the
-    table's ``partition=`` (e.g. ``("vocab", "embed")``)."""
+    table's ``partition=`` (e.g. ``("vocab", "embed")``). ``lora_rank``/``lora_alpha`` and
+    ``enable_lora``/``merge_lora``: LoRA on the table, as Keras 3 (``lora_embeddings_a``
+    ``(input_dim, rank)``, ``lora_embeddings_b`` ``(rank, output_dim)``)."""
 
+    lora_target = "embeddings"
+    lora_names = ("lora_embeddings_a", "lora_embeddings_b")
     variable_names = ("embeddings",)
     embeddings: Variable
+    lora_embeddings_a: Variable
+    lora_embeddings_b: Variable
 
     def __init__(
         self,
@@ -110,6 +131,8 @@ class Embedding(Layer):
         *,
         embeddings_partition: Partition | None = None,
         dtype: PolicyLike = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
     ) -> None:
         super().__init__(name=name, dtype=dtype)
         self._partition = embeddings_partition
@@ -123,12 +146,14 @@ class Embedding(Layer):
             "Embedding",
             "embeddings_initializer",
         )
+        self._init_lora(lora_rank, lora_alpha)
 
     def build(self, input_shape: Shape) -> None:
         shape = (self.input_dim, self.output_dim)
         self.embeddings = self.add_weight(
             "embeddings", shape, self._init, partition=self._partition
         )
+        self._build_lora()
 
     def check_shape(self, *shapes: Shape | None) -> None:
         """Any shape of ids is fine (a scalar id too)."""
@@ -158,7 +183,11 @@ class Embedding(Layer):
         # (never a wrapped or clipped row), as documented in docs/layers.md.
         safe = jnp.where((ids < 0) | (ids >= self.input_dim), self.input_dim, ids)
         table = self.embeddings.value()  # Keras 3 does not autocast the table: the rows are
-        # taken in the variable dtype, then cast to the compute dtype
+        # taken in the variable dtype (with LoRA: float32), then cast to the compute dtype
+        if self.lora_enabled:
+            scale = self.lora_alpha / self.lora_rank  # type: ignore[operator]
+            delta = jnp.matmul(self.lora_embeddings_a.value(), self.lora_embeddings_b.value())
+            table = (table + scale * delta).astype(self.compute_dtype)
         out = jnp.take(table, safe, axis=0, mode="fill", fill_value=jnp.nan)
         return out.astype(self.compute_dtype)
 
