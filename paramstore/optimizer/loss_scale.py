@@ -1,6 +1,6 @@
 """``ps.LossScaleOptimizer``: Keras 3's dynamic loss scaling around a ``ps.Optimizer``.
 
-Contract (docs/api.md, "Mixed precision"; docs/guides/recipes.md, "Loss scaling"):
+Contract (docs/api.md, "Mixed precision"; docs/guides/recipes_precision.md, "Loss scaling"):
 
 * ``LossScaleOptimizer(optimizer, initial_scale=2.0**15, dynamic_growth_steps=2000, *,
   name=None)``: ``optimizer`` must be a ``ps.Optimizer`` (else ``TypeError``),
@@ -118,9 +118,7 @@ class LossScaleOptimizer(Module):
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = int(dynamic_growth_steps)
         where = optimizer.iterations.sharding  # replicated like the step counter
-        with jax.ensure_compile_time_eval():
-            scale = jnp.asarray(self.initial_scale, jnp.float32)
-            zero = jnp.zeros((), jnp.int32)
+        scale, zero = np.float32(self.initial_scale), np.int32(0)  # concrete in a trace too
         self.scale = Variable(scale, trainable=False, name="scale", sharding=where)
         self.step_counter = Variable(zero, trainable=False, name="step_counter", sharding=where)
         self._compiled = function(self._step)

@@ -210,3 +210,22 @@ def test_bad_gradients_change_nothing():
     with pytest.raises(ValueError):
         opt.apply_gradients([np.ones(3, np.float32)])
     assert float(opt.scale.numpy()) == 4.0 and int(opt.iterations.numpy()) == 0
+
+
+def test_created_in_the_first_trace_of_a_step():
+    var = ps.Variable(np.ones(2, np.float32))
+    holder = {}
+
+    @ps.function
+    def step():
+        if "opt" not in holder:
+            holder["opt"] = ps.LossScaleOptimizer(ps.Optimizer(optax.sgd(0.1), [var]))
+        opt = holder["opt"]
+        grads = ps.grad(lambda: opt.scale_loss(jnp.sum(var.value() ** 2)), [var])()
+        opt.apply_gradients(grads)
+
+    step()
+    step()
+    np.testing.assert_allclose(var.numpy(), [0.64, 0.64], rtol=1e-5)
+    assert float(holder["opt"].scale.numpy()) == 2.0**15
+    assert int(holder["opt"].step_counter.numpy()) == 2
