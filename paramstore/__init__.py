@@ -8,6 +8,7 @@ from paramstore import (
     constraints,
     initializers,
     metrics,
+    mixed_precision,
     nn,
     random,
     regularizers,
@@ -34,6 +35,7 @@ from paramstore.functional import (
 )
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
+from paramstore.optimizer.loss_scale import LossScaleOptimizer
 from paramstore.regularization import regularization_loss
 from paramstore.remat import remat
 from paramstore.scope import (
@@ -55,6 +57,7 @@ __all__ = [
     "CheckpointManager",
     "ExponentialMovingAverage",
     "Function",
+    "LossScaleOptimizer",
     "Module",
     "Optimizer",
     "Reference",
@@ -75,6 +78,7 @@ __all__ = [
     "initialize",
     "initializers",
     "metrics",
+    "mixed_precision",
     "name_scope",
     "nn",
     "non_trainable",

@@ -164,3 +164,21 @@ def test_recipes_benchmark_prints_its_targets_and_op_counts():
     frozen = re.search(r"\| ps.function, blocks frozen \| (\d+) \|", done.stdout)
     hand = re.search(r"\| jax.jit, head only \[reference\] \| (\d+) \|", done.stdout)
     assert frozen and hand and frozen.group(1) == hand.group(1)  # no slot work when frozen
+
+
+@pytest.mark.slow
+def test_recipes_precision_benchmark_prints_the_targets():
+    root = str(BENCH.parent)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "recipes_precision.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "step, ps mixed_bfloat16 / jax bf16" in out
+    assert "temp memory, ps mixed_bfloat16 / ps float32" in out
+    assert "step, ps LossScaleOptimizer / jax+optax loss scaling" in out
+    assert "temp memory at batch 16, ps mixed_bfloat16 / ps float32" in out

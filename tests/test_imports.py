@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("scopes and modules", ["scope", "module", "initializers", "random", "_traverse", "_collect"]),
     ("functional core", ["functional", "remat", "regularization"]),
     ("compiled functions", ["function", "_function", "sharding"]),
-    ("training", ["optimizer", "nn", "metrics", "_display", "averaging"]),
+    ("training", ["mixed_precision", "optimizer", "nn", "metrics", "_display", "averaging"]),
     ("checkpoints", ["checkpoint"]),
     ("entry points", ["cli", "demo", "__main__"]),
 ]

@@ -10,6 +10,7 @@ from paramstore.nn._base import ACTIVATIONS, Layer
 from paramstore.nn.attention import MultiHeadAttention
 from paramstore.nn.conv import Conv1D, Conv2D
 from paramstore.nn.core import Dense, Dropout, Embedding, Sequential
+from paramstore.nn.lora import enable_lora, merge_lora
 from paramstore.nn.normalization import BatchNormalization, LayerNormalization
 from paramstore.nn.pooling import (
     AveragePooling2D,
@@ -40,4 +41,6 @@ __all__ = [
     "Repeat",
     "Reshape",
     "Sequential",
+    "enable_lora",
+    "merge_lora",
 ]

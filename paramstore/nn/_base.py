@@ -18,6 +18,15 @@ Contract (docs/api.md, "Layers"):
 * Subclasses override ``build(input_shape)`` (create the variables; the base wraps it with
   the scope, the lock and ``built``), ``check_shape(shape)`` and ``__call__``; they list
   their variable attributes in ``variable_names``.
+* Dtype policy (``ps.mixed_precision``), the same for every layer: ``Layer.__init__``
+  takes ``dtype=`` (a Policy, a policy name or a floating dtype; default: the global
+  policy *when the layer is constructed*), kept as ``layer.dtype_policy``. A layer creates
+  its variables with ``add_weight`` (in ``variable_dtype``), takes its inputs through
+  ``as_float`` / ``autocast`` (floating inputs cast to ``compute_dtype``, as Keras 3's
+  ``Layer.__call__``) and reads its variables with ``layer.cast(v)`` (the value in
+  ``compute_dtype``, as Keras autocasts variables inside ``call``), so it computes and
+  returns in the compute dtype. Where Keras 3 computes in float32 (normalization
+  statistics, the attention softmax) the layer says so.
 """
 
 from __future__ import annotations
@@ -26,23 +35,30 @@ import functools
 import re
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
 
 from paramstore import constraints as _constraints
 from paramstore import initializers as _init
+from paramstore import mixed_precision as _mp
 from paramstore import regularizers as _regularizers
+from paramstore._core.layout import Partition
 from paramstore._display.summary import summary
 from paramstore.module import Module
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
+from paramstore.variable import Variable
 
 __all__ = [
     "ACTIVATIONS",
     "Layer",
+    "PolicyLike",
     "Shape",
     "as_float",
+    "autocast",
     "features",
     "hooks",
     "initializer",
@@ -52,6 +68,9 @@ __all__ = [
 ]
 
 Activation = Callable[[jax.Array], jax.Array]
+_T = TypeVar("_T")
+PolicyLike = _mp.Policy | DTypeLike | None
+"""What a layer's ``dtype=`` takes: a Policy, a policy name, a floating dtype, or None."""
 Shape = tuple[int | None, ...]
 
 
@@ -151,9 +170,13 @@ def hooks(layer: Layer, weight: str) -> dict[str, Any]:
     }
 
 
-def as_float(x: ValueLike, layer: Layer | str = "this layer") -> jax.Array:
-    """``x`` as an array; integers and bools become float32 (as Keras casts inputs). A complex
-    input is refused (a layer's real weights would silently drop its imaginary part)."""
+def as_float(x: ValueLike, layer: Layer | str = "this layer", *, keep: bool = False) -> jax.Array:
+    """``x`` as a real floating array in ``layer``'s compute dtype (float32 when ``layer``
+    is a name): floating inputs cast as Keras 3's ``Layer.__call__`` does, integers and
+    bools converted. ``keep=True`` (a layer Keras does not autocast, such as
+    ``LayerNormalization``) keeps a floating input's dtype and makes others float32. A
+    complex input is refused (a layer's real weights would silently drop its imaginary
+    part)."""
     x = jnp.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         who = layer.describe() if isinstance(layer, Layer) else layer
@@ -162,8 +185,27 @@ def as_float(x: ValueLike, layer: Layer | str = "this layer") -> jax.Array:
             "Split it first (jnp.real(x), jnp.imag(x), or jnp.concatenate of both on the "
             "last axis)."
         )
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        x = x.astype(jnp.float32)
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    want: Any
+    if isinstance(layer, Layer) and not keep:
+        want = jnp.dtype(layer.compute_dtype)
+    else:
+        want = x.dtype if floating else jnp.dtype(jnp.float32)
+    if x.dtype != want:
+        x = x.astype(want)
+    return x
+
+
+def autocast(x: _T, layer: Layer) -> _T:
+    """``x`` with a floating array cast to ``layer``'s compute dtype (Keras 3's
+    ``DTypePolicy.convert_input``); integer, bool and non-array inputs unchanged."""
+    arrays = (jax.Array, np.ndarray, np.generic)
+    if (
+        isinstance(x, arrays)
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and x.dtype != layer.compute_dtype
+    ):
+        return cast(_T, jnp.asarray(x).astype(layer.compute_dtype))
     return x
 
 
@@ -262,10 +304,59 @@ class Layer(Module):
         if build is not None and not getattr(build, "_ps_guarded", False):
             cls.build = _guarded(build)  # type: ignore[method-assign]
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, dtype: PolicyLike = None) -> None:
         super().__init__(name=name)
+        self._dtype_policy = _mp.resolve(dtype, self.describe())
         self.built = False
         self._built_shapes: tuple[Shape | None, ...] = ()
+
+    # ------------------------------------------------------------------ dtype policy
+    @property
+    def dtype_policy(self) -> _mp.Policy:
+        """The layer's ``ps.mixed_precision.Policy`` (fixed at construction)."""
+        return self._dtype_policy
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the layer computes and returns in (``"bfloat16"``)."""
+        return self._dtype_policy.compute_dtype
+
+    @property
+    def variable_dtype(self) -> str:
+        """The dtype the layer's variables are created in (``"float32"``)."""
+        return self._dtype_policy.variable_dtype
+
+    def add_weight(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        initializer: Initializer,
+        *,
+        trainable: bool = True,
+        dtype: DTypeLike | None = None,
+        partition: Partition | None = None,
+    ) -> Variable:
+        """A new Variable ``name`` of ``shape`` from ``initializer(shape, dtype)``, in the
+        layer's ``variable_dtype`` unless ``dtype`` is given (as Keras' ``add_weight``), with
+        the layer's ``<name>_regularizer`` and ``<name>_constraint`` (``set_hooks``); call it
+        in ``build`` (inside the layer's name scope)."""
+        dt = self.variable_dtype if dtype is None else dtype
+        dims = tuple(shape)
+        return Variable(
+            lambda: initializer(dims, dt),
+            trainable=trainable,
+            name=name,
+            partition=partition,
+            **hooks(self, name),  # the layer's <name>_regularizer / <name>_constraint
+        )
+
+    def cast(self, value: Variable | jax.Array) -> jax.Array:
+        """A variable's value (or an array) in the compute dtype if it is floating, as
+        Keras 3 autocasts a layer's variables inside its ``call``."""
+        x = value.value() if isinstance(value, Variable) else value
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.compute_dtype:
+            x = x.astype(self.compute_dtype)
+        return x
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when ``name`` is not set: a variable of a layer not built yet.

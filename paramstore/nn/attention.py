@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from paramstore import initializers as _init
 from paramstore import scope as _scope
 from paramstore._core.layout import Partition
-from paramstore.nn._base import Layer, Shape, as_float, hooks, initializer, set_hooks
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, initializer, set_hooks
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
@@ -56,8 +56,9 @@ class MultiHeadAttention(Layer):
         bias_regularizer: RegularizerLike | None = None,
         kernel_constraint: ConstraintLike | None = None,
         bias_constraint: ConstraintLike | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         set_hooks(
             self,
             kernel_regularizer=kernel_regularizer,
@@ -88,15 +89,12 @@ class MultiHeadAttention(Layer):
         k_init = self._kernel_init
         k_part, b_part = self._partitions.get(scope, self._partitions[""])
         with _scope.name_scope(scope):
-            self.weights[f"{scope}/kernel"] = Variable(
-                lambda: k_init(shape), name="kernel", partition=k_part, **hooks(self, "kernel")
+            self.weights[f"{scope}/kernel"] = self.add_weight(
+                "kernel", shape, k_init, partition=k_part
             )
             if self.use_bias:
-                self.weights[f"{scope}/bias"] = Variable(
-                    lambda: _init.zeros()(bias),
-                    name="bias",
-                    partition=b_part,
-                    **hooks(self, "bias"),
+                self.weights[f"{scope}/bias"] = self.add_weight(
+                    "bias", bias, _init.zeros(), partition=b_part
                 )
 
     def build(
@@ -184,27 +182,36 @@ class MultiHeadAttention(Layer):
         k_in = v_in if key is None else as_float(key, self)
         self._check(q_in, k_in, v_in, mask)
         self.ensure_built(tuple(q_in.shape), tuple(v_in.shape), tuple(k_in.shape))
-        w = {name: var.value() for name, var in self.weights.items()}
+        w = {name: self.cast(var) for name, var in self.weights.items()}
 
         def project(x: jax.Array, name: str) -> jax.Array:
             y = jnp.einsum("bsd,dhk->bshk", x, w[f"{name}/kernel"])
             return y + w[f"{name}/bias"] if self.use_bias else y
 
-        q = project(q_in, "query") * (1.0 / math.sqrt(self.key_dim))
-        k = project(k_in, "key")
-        v = project(v_in, "value")
-        logits = jnp.einsum("bshk,bthk->bhts", k, q)
+        q, k, v = project(q_in, "query"), project(k_in, "key"), project(v_in, "value")
         allowed = None
         if mask is not None:
             m = jnp.asarray(mask).astype(bool)
             allowed = m[:, None] if m.ndim == 3 else m
         if use_causal_mask:
-            t, s = logits.shape[-2], logits.shape[-1]
+            t, s = q.shape[1], k.shape[1]
             causal = jnp.tril(jnp.ones((t, s), bool))
             allowed = causal if allowed is None else jnp.logical_and(allowed, causal)
-        if allowed is not None:
-            logits = jnp.where(allowed, logits, jnp.asarray(_NEG, logits.dtype))
-        scores = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bhts,bshk->bthk", scores, v)
+        out = _attend(q, k, v, allowed, 1.0 / math.sqrt(self.key_dim))
         y = jnp.einsum("bthk,hkd->btd", out, w["attention_output/kernel"])
         return y + w["attention_output/bias"] if self.use_bias else y
+
+
+def _attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | None, scale: float
+) -> jax.Array:
+    """Keras 3's attention core on JAX (``_dot_product_attention_core``): the logits
+    accumulated and scaled in at least float32, the softmax in float32, the weights cast
+    back to the compute dtype for the sum over values."""
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=wide)
+    logits = logits * jnp.asarray(scale, wide)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, jnp.asarray(_NEG, wide))
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(k.dtype)
+    return jnp.einsum("bhts,bshk->bthk", probs, v)

@@ -11,9 +11,9 @@ from paramstore._core.layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,
+    PolicyLike,
     Shape,
     as_float,
-    hooks,
     initializer,
     keras_name,
     resolve_activation,
@@ -93,9 +93,10 @@ class _Conv(Layer):
         bias_regularizer: RegularizerLike | None = None,
         kernel_constraint: ConstraintLike | None = None,
         bias_constraint: ConstraintLike | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
         kind = type(self).__name__
-        super().__init__(name=name or keras_name(kind))
+        super().__init__(name=name or keras_name(kind), dtype=dtype)
         set_hooks(
             self,
             kernel_regularizer=kernel_regularizer,
@@ -144,15 +145,9 @@ class _Conv(Layer):
             )
         kshape = (*self.kernel_size, input_shape[-1], filters)
         k_part, b_part = self._partitions
-        self.kernel = Variable(
-            lambda: k_init(kshape), name="kernel", partition=k_part, **hooks(self, "kernel")
-        )
+        self.kernel = self.add_weight("kernel", kshape, k_init, partition=k_part)
         self.bias = (
-            Variable(
-                lambda: b_init((filters,)), name="bias", partition=b_part, **hooks(self, "bias")
-            )
-            if self.use_bias
-            else None
+            self.add_weight("bias", (filters,), b_init, partition=b_part) if self.use_bias else None
         )
 
     def __call__(self, x: ValueLike) -> jax.Array:
@@ -162,13 +157,13 @@ class _Conv(Layer):
         layout = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}[n]
         y = jax.lax.conv_general_dilated(
             x,
-            self.kernel.value().astype(x.dtype),
+            self.cast(self.kernel),
             window_strides=self.strides,
             padding=self.padding.upper(),
             dimension_numbers=layout,
         )
         if self.bias is not None:
-            y = y + self.bias.value()
+            y = y + self.cast(self.bias)
         return y if self.activation is None else self.activation(y)
 
 

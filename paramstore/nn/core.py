@@ -18,21 +18,23 @@ from paramstore._core.layout import Partition
 from paramstore.nn._base import (
     Activation,
     Layer,
+    PolicyLike,
     Shape,
     as_float,
+    autocast,
     features,
-    hooks,
     initializer,
     resolve_activation,
     set_hooks,
 )
+from paramstore.nn._lora import LoRALayer
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Dense", "Embedding", "Dropout", "Sequential"]
 
 
-class Dense(Layer):
+class Dense(LoRALayer):
     """``activation(x @ kernel + bias)`` over the last axis, as ``keras.layers.Dense``.
 
     ``kernel`` has shape ``(in, units)`` (``in`` is the last axis of the first input),
@@ -40,11 +42,16 @@ class Dense(Layer):
     or a Keras name (``"relu"``). Integer inputs are cast to float32; complex ones refused.
     ``kernel_partition`` and ``bias_partition`` are the variables' ``partition=`` (logical
     axis names, e.g. ``("embed", "mlp")``; see ``ps.sharding.axis_rules``).
+    ``lora_rank``/``lora_alpha`` and ``enable_lora``/``merge_lora``: LoRA on the kernel, as
+    Keras 3 (``lora_kernel_a`` ``(in, rank)``, ``lora_kernel_b`` ``(rank, units)``; see
+    ``paramstore.nn._lora``).
     """
 
     variable_names = ("kernel", "bias")
     kernel: Variable
     bias: Variable | None
+    lora_kernel_a: Variable
+    lora_kernel_b: Variable
 
     def __init__(
         self,
@@ -61,8 +68,11 @@ class Dense(Layer):
         bias_regularizer: RegularizerLike | None = None,
         kernel_constraint: ConstraintLike | None = None,
         bias_constraint: ConstraintLike | None = None,
+        dtype: PolicyLike = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         self._partitions = (kernel_partition, bias_partition)
         set_hooks(
             self,
@@ -81,18 +91,16 @@ class Dense(Layer):
             kernel_initializer, _init.glorot_uniform(), "Dense", "kernel_initializer"
         )
         self._bias_init = initializer(bias_initializer, _init.zeros(), "Dense", "bias_initializer")
+        self._init_lora(lora_rank, lora_alpha)
 
     def build(self, input_shape: Shape) -> None:
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
         n_in, (k_part, b_part) = features(self, input_shape), self._partitions
-        self.kernel = Variable(
-            lambda: k_init((n_in, units)), name="kernel", partition=k_part, **hooks(self, "kernel")
-        )
+        self.kernel = self.add_weight("kernel", (n_in, units), k_init, partition=k_part)
         self.bias = (
-            Variable(lambda: b_init((units,)), name="bias", partition=b_part, **hooks(self, "bias"))
-            if self.use_bias
-            else None
+            self.add_weight("bias", (units,), b_init, partition=b_part) if self.use_bias else None
         )
+        self._build_lora()
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
         return (*input_shape[:-1], self.units)
@@ -100,21 +108,32 @@ class Dense(Layer):
     def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
-        y = jnp.matmul(x, self.kernel.value())
+        kernel = self.cast(self.kernel)
+        if self.lora_enabled:  # as Keras 3: in the compute dtype (a and b autocast)
+            scale = self.lora_alpha / self.lora_rank  # type: ignore[operator]
+            delta = jnp.matmul(self.cast(self.lora_kernel_a), self.cast(self.lora_kernel_b))
+            kernel = (kernel + scale * delta).astype(self.compute_dtype)
+        y = jnp.matmul(x, kernel)
         if self.bias is not None:
-            y = y + self.bias.value()
+            y = y + self.cast(self.bias)
         return y if self.activation is None else self.activation(y)
 
 
-class Embedding(Layer):
+class Embedding(LoRALayer):
     """A lookup table ``embeddings`` ``(input_dim, output_dim)``, as ``keras.layers.Embedding``
     (initialized uniformly in [-0.05, 0.05]). Inputs must be integer indices; the output has
     shape ``x.shape + (output_dim,)``. An id outside ``[0, input_dim)`` raises eagerly; in a
     trace (where ids are not known) it gives a row of NaN. ``embeddings_partition`` is the
-    table's ``partition=`` (e.g. ``("vocab", "embed")``)."""
+    table's ``partition=`` (e.g. ``("vocab", "embed")``). ``lora_rank``/``lora_alpha`` and
+    ``enable_lora``/``merge_lora``: LoRA on the table, as Keras 3 (``lora_embeddings_a``
+    ``(input_dim, rank)``, ``lora_embeddings_b`` ``(rank, output_dim)``)."""
 
+    lora_target = "embeddings"
+    lora_names = ("lora_embeddings_a", "lora_embeddings_b")
     variable_names = ("embeddings",)
     embeddings: Variable
+    lora_embeddings_a: Variable
+    lora_embeddings_b: Variable
 
     def __init__(
         self,
@@ -126,8 +145,11 @@ class Embedding(Layer):
         embeddings_partition: Partition | None = None,
         embeddings_regularizer: RegularizerLike | None = None,
         embeddings_constraint: ConstraintLike | None = None,
+        dtype: PolicyLike = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         self._partition = embeddings_partition
         set_hooks(
             self,
@@ -144,15 +166,14 @@ class Embedding(Layer):
             "Embedding",
             "embeddings_initializer",
         )
+        self._init_lora(lora_rank, lora_alpha)
 
     def build(self, input_shape: Shape) -> None:
-        init, shape = self._init, (self.input_dim, self.output_dim)
-        self.embeddings = Variable(
-            lambda: init(shape),
-            name="embeddings",
-            partition=self._partition,
-            **hooks(self, "embeddings"),
+        shape = (self.input_dim, self.output_dim)
+        self.embeddings = self.add_weight(
+            "embeddings", shape, self._init, partition=self._partition
         )
+        self._build_lora()
 
     def check_shape(self, *shapes: Shape | None) -> None:
         """Any shape of ids is fine (a scalar id too)."""
@@ -181,7 +202,14 @@ class Embedding(Layer):
         # Traced ids cannot be checked: an id outside [0, input_dim) gives a row of NaN
         # (never a wrapped or clipped row), as documented in docs/layers.md.
         safe = jnp.where((ids < 0) | (ids >= self.input_dim), self.input_dim, ids)
-        return jnp.take(self.embeddings.value(), safe, axis=0, mode="fill", fill_value=jnp.nan)
+        table = self.embeddings.value()  # Keras 3 does not autocast the table: the rows are
+        # taken in the variable dtype (with LoRA: float32), then cast to the compute dtype
+        if self.lora_enabled:
+            scale = self.lora_alpha / self.lora_rank  # type: ignore[operator]
+            delta = jnp.matmul(self.lora_embeddings_a.value(), self.lora_embeddings_b.value())
+            table = (table + scale * delta).astype(self.compute_dtype)
+        out = jnp.take(table, safe, axis=0, mode="fill", fill_value=jnp.nan)
+        return out.astype(self.compute_dtype)
 
 
 class Dropout(Layer):
@@ -195,9 +223,14 @@ class Dropout(Layer):
     generator: _random.Generator | None
 
     def __init__(
-        self, rate: float, generator: _random.Generator | None = None, name: str | None = None
+        self,
+        rate: float,
+        generator: _random.Generator | None = None,
+        name: str | None = None,
+        *,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
             raise TypeError(f"Dropout: rate must be a number in [0, 1), got {rate!r}.")
         if not 0.0 <= float(rate) < 1.0:
@@ -218,7 +251,7 @@ class Dropout(Layer):
     def __call__(self, x: ValueLike, training: bool | jax.Array = False) -> jax.Array:
         """``training`` may also be a boolean scalar array (traced): then the mask is drawn
         (the generator advances) and ``jnp.where`` picks the dropped or the plain input."""
-        x = jnp.asarray(x)
+        x = autocast(jnp.asarray(x), self)
         traced = isinstance(training, jax.Array)
         if (not traced and not training) or self.rate == 0.0:
             return x
@@ -245,8 +278,14 @@ class Sequential(Layer):
     produce (found with ``jax.eval_shape``, after the layer is built); the first call does
     the same with real inputs."""
 
-    def __init__(self, layers: Iterable[Callable[..., Any]] = (), name: str | None = None) -> None:
-        super().__init__(name=name)
+    def __init__(
+        self,
+        layers: Iterable[Callable[..., Any]] = (),
+        name: str | None = None,
+        *,
+        dtype: PolicyLike = None,
+    ) -> None:
+        super().__init__(name=name, dtype=dtype)
         self.layers: list[Callable[..., Any]] = []
         for layer in layers:
             self.add(layer)
@@ -274,6 +313,7 @@ class Sequential(Layer):
     traced_training = True
 
     def __call__(self, x: Any, training: bool | jax.Array | None = None) -> Any:
+        x = autocast(x, self)  # the layers inside cast to their own policies
         for layer in self.layers:
             if training is not None and _takes_training(layer):
                 x = layer(x, training=training)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore._core.layout import Partition
-from paramstore.nn._base import Layer, Shape, as_float, features
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, features
 from paramstore.typing import ValueLike
 from paramstore.variable import Variable
 
@@ -39,8 +39,9 @@ class LayerNormalization(Layer):
         *,
         gamma_partition: Partition | None = None,
         beta_partition: Partition | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         self._partitions = (gamma_partition, beta_partition)
         self.epsilon = _check_epsilon(epsilon, "LayerNormalization")
 
@@ -49,16 +50,22 @@ class LayerNormalization(Layer):
 
     def build(self, input_shape: Shape) -> None:
         n, (g_part, b_part) = features(self, input_shape), self._partitions
-        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma", partition=g_part)
-        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta", partition=b_part)
+        self.gamma = self.add_weight("gamma", (n,), _init.ones(), partition=g_part)
+        self.beta = self.add_weight("beta", (n,), _init.zeros(), partition=b_part)
 
     def __call__(self, x: ValueLike) -> jax.Array:
-        x = as_float(x, self)
+        # As Keras 3: the input is not autocast, the statistics and the affine map are
+        # computed in at least float32 with gamma and beta as stored, and the result is
+        # cast to the input's dtype, then to the compute dtype.
+        x = as_float(x, self, keep=True)
         self.ensure_built(tuple(x.shape))
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
-        return y * self.gamma.value() + self.beta.value()
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        xw = x.astype(wide)
+        mean = jnp.mean(xw, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xw - mean), axis=-1, keepdims=True)
+        y = (xw - mean) * jax.lax.rsqrt(var + self.epsilon)
+        y = y * self.gamma.value().astype(wide) + self.beta.value().astype(wide)
+        return y.astype(x.dtype).astype(self.compute_dtype)
 
 
 class BatchNormalization(Layer):
@@ -79,9 +86,14 @@ class BatchNormalization(Layer):
     moving_variance: Variable
 
     def __init__(
-        self, momentum: float = 0.99, epsilon: float = 1e-3, name: str | None = None
+        self,
+        momentum: float = 0.99,
+        epsilon: float = 1e-3,
+        name: str | None = None,
+        *,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
             raise ValueError(f"BatchNormalization: momentum must be a number, got {momentum!r}.")
         if not 0.0 <= momentum <= 1.0:
@@ -94,13 +106,11 @@ class BatchNormalization(Layer):
 
     def build(self, input_shape: Shape) -> None:
         n = features(self, input_shape)
-        self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma")
-        self.beta = Variable(lambda: _init.zeros()((n,)), name="beta")
-        self.moving_mean = Variable(
-            lambda: _init.zeros()((n,)), trainable=False, name="moving_mean"
-        )
-        self.moving_variance = Variable(
-            lambda: _init.ones()((n,)), trainable=False, name="moving_variance"
+        self.gamma = self.add_weight("gamma", (n,), _init.ones())
+        self.beta = self.add_weight("beta", (n,), _init.zeros())
+        self.moving_mean = self.add_weight("moving_mean", (n,), _init.zeros(), trainable=False)
+        self.moving_variance = self.add_weight(
+            "moving_variance", (n,), _init.ones(), trainable=False
         )
 
     traced_training = True
@@ -119,6 +129,10 @@ class BatchNormalization(Layer):
                 f"shape {tuple(x.shape)}."
             )
         self.ensure_built(tuple(x.shape))
+        # As Keras 3: computed in at least float32 (half-precision inputs overflow), with
+        # the variables read as they are stored (Keras does not autocast them here).
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        x = x.astype(wide)
         mean, var = self.moving_mean.value(), self.moving_variance.value()
         if traced or training:
             axes = tuple(range(x.ndim - 1))
@@ -136,5 +150,7 @@ class BatchNormalization(Layer):
             self.moving_mean.assign(new_mean, read_value=False)
             self.moving_variance.assign(new_var, read_value=False)
             mean, var = batch_mean, batch_var
+        mean, var = mean.astype(wide), var.astype(wide)
         y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
-        return y * self.gamma.value() + self.beta.value()
+        y = y * self.gamma.value().astype(wide) + self.beta.value().astype(wide)
+        return y.astype(self.compute_dtype)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore.nn._base import Layer, Shape, as_float, keras_name
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, keras_name
 from paramstore.nn.conv import check_windows, padding_of, window
 from paramstore.typing import ValueLike
 
@@ -28,9 +28,11 @@ class _Pooling2D(Layer):
         strides: int | tuple[int, int] | None = None,
         padding: str = "valid",
         name: str | None = None,
+        *,
+        dtype: PolicyLike = None,
     ) -> None:
         kind = type(self).__name__
-        super().__init__(name=name or keras_name(kind))
+        super().__init__(name=name or keras_name(kind), dtype=dtype)
         self.pool_size = window(pool_size, 2, "pool_size", kind)
         self.strides = self.pool_size if strides is None else window(strides, 2, "strides", kind)
         self.padding = padding_of(padding, kind)
@@ -83,8 +85,10 @@ class AveragePooling2D(_Pooling2D):
 
 
 class _Global2D(Layer):
-    def __init__(self, keepdims: bool = False, name: str | None = None) -> None:
-        super().__init__(name=name or keras_name(type(self).__name__))
+    def __init__(
+        self, keepdims: bool = False, name: str | None = None, *, dtype: PolicyLike = None
+    ) -> None:
+        super().__init__(name=name or keras_name(type(self).__name__), dtype=dtype)
         if not isinstance(keepdims, bool):
             raise TypeError(f"{type(self).__name__}: keepdims must be a bool, got {keepdims!r}.")
         self.keepdims = keepdims

@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 
 from paramstore.nn._base import Activation as _Fn
-from paramstore.nn._base import Layer, Shape, resolve_activation
+from paramstore.nn._base import Layer, PolicyLike, Shape, autocast, resolve_activation
 from paramstore.typing import ValueLike
 
 __all__ = ["Flatten", "Reshape", "Activation"]
 
 
 class _Stateless(Layer):
-    def __init__(self, name: str | None = None) -> None:
-        super().__init__(name=name)
+    def __init__(self, name: str | None = None, *, dtype: PolicyLike = None) -> None:
+        super().__init__(name=name, dtype=dtype)
         self.built = True  # nothing to create
 
     def check_built(self, *shapes: Shape | None) -> None:
@@ -26,10 +26,11 @@ class _Stateless(Layer):
 
 class Flatten(_Stateless):
     """``(batch, ...)`` to ``(batch, prod(...))``, as ``keras.layers.Flatten`` (a ``(batch,)``
-    input becomes ``(batch, 1)``). The dtype is kept."""
+    input becomes ``(batch, 1)``). A floating input is cast to the compute dtype (as Keras
+    3 does); other dtypes are kept."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
-        x = jnp.asarray(x)
+        x = autocast(jnp.asarray(x), self)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], -1) if x.ndim != 1 else x[:, None]
 
@@ -47,8 +48,10 @@ class Reshape(_Stateless):
     """``(batch, ...)`` to ``(batch, *target_shape)``, as ``keras.layers.Reshape``;
     ``target_shape`` excludes the batch axis and may hold one ``-1`` (inferred)."""
 
-    def __init__(self, target_shape: tuple[int, ...], name: str | None = None) -> None:
-        super().__init__(name=name)
+    def __init__(
+        self, target_shape: tuple[int, ...], name: str | None = None, *, dtype: PolicyLike = None
+    ) -> None:
+        super().__init__(name=name, dtype=dtype)
         dims: tuple[Any, ...]
         try:
             dims = tuple(target_shape)
@@ -84,7 +87,7 @@ class Reshape(_Stateless):
             )
 
     def __call__(self, x: ValueLike) -> jax.Array:
-        x = jnp.asarray(x)
+        x = autocast(jnp.asarray(x), self)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], *self.target_shape)
 
@@ -94,8 +97,10 @@ class Activation(_Stateless):
     (``"relu"``, ``"gelu"`` (exact), ``"leaky_relu"`` (slope 0.2), ...; see
     ``ps.nn.ACTIVATIONS``)."""
 
-    def __init__(self, activation: str | _Fn, name: str | None = None) -> None:
-        super().__init__(name=name)
+    def __init__(
+        self, activation: str | _Fn, name: str | None = None, *, dtype: PolicyLike = None
+    ) -> None:
+        super().__init__(name=name, dtype=dtype)
         if activation is None:
             raise ValueError("Activation: pass a callable or a Keras activation name, not None.")
         fn = resolve_activation(activation, "Activation")
@@ -106,5 +111,5 @@ class Activation(_Stateless):
         """Any shape."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
-        x = jnp.asarray(x)
+        x = autocast(jnp.asarray(x), self)
         return self.activation(x)

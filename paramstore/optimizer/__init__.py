@@ -363,6 +363,18 @@ class Optimizer(Module):
 
     def _step(self, grads: Any, extra_args: Mapping[str, Any]) -> None:
         """One step: read, ``tx.update``, ``optax.apply_updates``, check, assign."""
+        writes = self._new_values(grads, extra_args)
+        with deferred():  # all or nothing, Ctrl-C included (held back to the end)
+            for var, x in writes:
+                var.assign(x, read_value=False)
+            self._iterations.assign_add(1, read_value=False)
+
+    def _new_values(
+        self, grads: Any, extra_args: Mapping[str, Any]
+    ) -> list[tuple[Variable, jax.Array]]:
+        """What one step would assign (state and parameters, checked), assigning nothing;
+        ``iterations`` aside (``LossScaleOptimizer`` selects between these and the old
+        values)."""
         targets: Targets = self._targets.value
         params = targets.params()
         frozen = targets.frozen()
@@ -412,10 +424,7 @@ class Optimizer(Module):
             if var.constraint is not None:  # as Keras 3: projected after each update
                 x = constrained(var, x)
             writes.append((var, x))
-        with deferred():  # all or nothing, Ctrl-C included (held back to the end)
-            for var, x in writes:
-                var.assign(x, read_value=False)
-            self._iterations.assign_add(1, read_value=False)
+        return writes
 
     def __repr__(self) -> str:
         return (

@@ -58,7 +58,7 @@ from paramstore._core.jax_api import EVAL, current_trace
 from paramstore._core.store import VariableStore
 from paramstore.function import function
 from paramstore.module import Module
-from paramstore.nn._base import Layer, Shape
+from paramstore.nn._base import Layer, PolicyLike, Shape, autocast
 from paramstore.nn.repeat.layout import (
     all_variables,
     attribute_paths,
@@ -83,7 +83,10 @@ class Repeat(Layer):
 
     See the module docstring for the contract. ``remat`` is ``None``/``False`` (keep every
     activation), ``True`` (recompute each block in the backward pass) or a
-    ``jax.checkpoint_policies`` policy (what to save).
+    ``jax.checkpoint_policies`` policy (what to save). ``dtype`` is the Repeat's policy:
+    a floating input is cast to its compute dtype; the blocks' layers have their own
+    policies (the global one when ``make_block()`` runs, in the constructor), and their
+    stacked variables keep the template's dtypes.
     """
 
     stacked: dict[str, Variable]
@@ -95,8 +98,9 @@ class Repeat(Layer):
         *,
         remat: bool | Callable[..., Any] | None = None,
         name: str | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, dtype=dtype)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(
                 f"Repeat '{self.scope_name}': n must be a positive int (the number of "
@@ -163,7 +167,7 @@ class Repeat(Layer):
     def build(self, input_shape: Shape) -> None:
         """Create the stacked variables as a first call on inputs of ``input_shape`` would
         (same names, shapes, initial values): the template runs on zeros of that shape
-        (a ``None`` first axis counts as 1) and the default float dtype. A block whose call
+        (a ``None`` first axis counts as 1) in the Repeat's compute dtype. A block whose call
         needs more than the input (a mask, a flag) is built by calling the Repeat."""
         if any(d is None for d in input_shape[1:]):
             raise ValueError(
@@ -172,7 +176,7 @@ class Repeat(Layer):
                 "Pass a shape such as (None, 16, 64)."
             )
         dims = tuple(1 if d is None else d for d in input_shape)
-        self._build_stacked(jax.ShapeDtypeStruct(dims, jnp.result_type(float)), (), {})
+        self._build_stacked(jax.ShapeDtypeStruct(dims, jnp.dtype(self.compute_dtype)), (), {})
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
         """The blocks keep their input's shape, so the Repeat does too."""
@@ -197,7 +201,7 @@ class Repeat(Layer):
     ) -> jax.Array:
         if isinstance(x, Variable):
             x = x.value()
-        x = jnp.asarray(x)
+        x = autocast(jnp.asarray(x), self)
         if not self.built:
             self._build_stacked(x, args, kwargs)
         else:
