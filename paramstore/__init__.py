@@ -6,7 +6,7 @@ See ``docs/api.md`` for the reference; each module's docstring states its part o
 from paramstore import checkpoint, initializers, metrics, nn, random, sharding, typing
 from paramstore._core.placement import device
 from paramstore._display.display import display
-from paramstore._display.summary import summary
+from paramstore._summary import summary
 from paramstore._variable.abstract import abstract
 from paramstore.checkpoint import CheckpointManager, Saver
 from paramstore.checkpoint.objects import Checkpoint

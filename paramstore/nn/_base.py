@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore._display.summary import summary
 from paramstore.module import Module
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
 
@@ -116,6 +115,7 @@ def initializer(init: LayerInitializer, default: Initializer, layer: str, what: 
     """``init`` (a callable ``init(shape, dtype)`` or a ``ps.initializers`` name), or ``default``."""
     if init is None:
         return default
+    init = _init.resolve(init)  # an uncalled factory (ps.initializers.he_normal) is called
     if isinstance(init, str):
         factory = getattr(_init, init, None)
         if factory is None or not callable(factory):
@@ -287,9 +287,15 @@ class Layer(Module):
         """``"Dense 'dense_1'"``: how error messages name this layer."""
         return f"{type(self).__name__} '{self.scope_name}'"
 
-    def summary(self) -> str:
-        """``ps.summary(self)``."""
-        return summary(self)
+    def count_params(self) -> int:
+        """The number of scalars in ``weights``; a layer not built yet raises ValueError (as
+        Keras: its variables do not exist yet)."""
+        if not self.built:
+            raise ValueError(
+                f"{self.describe()} is not built yet, so it has no parameters to count: call "
+                "it on an input (layer(x)) or build it (layer.build(input_shape)) first."
+            )
+        return super().count_params()
 
 
 Layer.build = _guarded(Layer.build)  # type: ignore[method-assign]
