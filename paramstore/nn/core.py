@@ -239,6 +239,18 @@ class Sequential(Layer):
     def check_built(self, *shapes: Shape | None) -> None:
         """Each layer checks its own input."""
 
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The output shape for inputs of ``input_shape``, layer by layer (each layer's own
+        ``compute_output_shape``, else ``jax.eval_shape``; a layer that needs its variables
+        for that is built from its input shape first, as Keras does)."""
+        shape: Shape = tuple(input_shape)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, Layer) and not layer.built:
+                if layer.compute_output_shape(shape) is None:
+                    layer.build(shape)
+            shape = _output_shape(self, i, layer, shape)
+        return shape
+
     def __call__(self, x: Any, training: bool | None = None) -> Any:
         for layer in self.layers:
             if training is not None and _takes_training(layer):

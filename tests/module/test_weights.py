@@ -3,6 +3,7 @@ non-trainable weights, get/set_weights (checked, all or nothing), count_params, 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -153,3 +154,13 @@ def test_uncalled_initializer_factory_in_a_layer():
     np.testing.assert_array_equal(zeros.bias.numpy(), np.ones(3))
     with pytest.raises(TypeError, match="constant needs its value"):
         ps.nn.Dense(3, kernel_initializer=ps.initializers.constant)
+
+
+def test_sequential_compute_output_shape():
+    model = ps.nn.Sequential(
+        [ps.nn.Conv2D(4, 3), ps.nn.MaxPooling2D(), ps.nn.Flatten(), ps.nn.Dense(5), jax.nn.relu]
+    )
+    assert model.compute_output_shape((None, 10, 10, 3)) == (None, 5)
+    assert model.compute_output_shape((2, 10, 10, 3)) == (2, 5)
+    seq = ps.nn.Sequential([ps.nn.LSTM(3, return_sequences=True), ps.nn.GRU(2)])
+    assert seq.compute_output_shape((None, 7, 4)) == (None, 2)
