@@ -245,9 +245,9 @@ class Sequential(Layer):
         for that is built from its input shape first, as Keras does)."""
         shape: Shape = tuple(input_shape)
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, Layer) and not layer.built:
-                if layer.compute_output_shape(shape) is None:
-                    layer.build(shape)
+            unknown = isinstance(layer, Layer) and layer.compute_output_shape(shape) is None
+            if unknown and not layer.built:
+                layer.build(shape)
             shape = _output_shape(self, i, layer, shape)
         return shape
 

@@ -1,5 +1,6 @@
 """``MaxPooling2D``, ``AveragePooling2D``, ``GlobalAveragePooling2D``, ``GlobalMaxPooling2D``
-over NHWC inputs, with Keras 3's arguments, defaults and output shapes. No variables."""
+over NHWC inputs (NCHW with ``data_format="channels_first"``, keyword-only), with Keras 3's
+arguments, defaults and output shapes. No variables."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore.nn._base import Layer, Shape, as_float, keras_name
-from paramstore.nn.conv import check_windows, padding_of, window
+from paramstore.nn.conv import check_windows, data_format_of, padding_of, window
 from paramstore.typing import ValueLike
 
 __all__ = [
@@ -28,18 +29,26 @@ class _Pooling2D(Layer):
         strides: int | tuple[int, int] | None = None,
         padding: str = "valid",
         name: str | None = None,
+        *,
+        data_format: str = "channels_last",
     ) -> None:
         kind = type(self).__name__
         super().__init__(name=name or keras_name(kind))
         self.pool_size = window(pool_size, 2, "pool_size", kind)
         self.strides = self.pool_size if strides is None else window(strides, 2, "strides", kind)
         self.padding = padding_of(padding, kind)
+        self.data_format = data_format_of(data_format, kind)
         self.built = True  # nothing to create
 
     def check_shape(self, *shapes: Shape | None) -> None:
         shape = shapes[0]
         assert shape is not None
-        check_windows(self, shape, 2, self.pool_size, self.padding, "pool_size")
+        fmt = self.data_format
+        check_windows(self, shape, 2, self.pool_size, self.padding, "pool_size", fmt)
+
+    def _window(self, size: tuple[int, ...]) -> tuple[int, ...]:
+        """``size`` on the spatial axes, 1 on batch and channels."""
+        return (1, 1, *size) if self.data_format == "channels_first" else (1, *size, 1)
 
     def check_built(self, *shapes: Shape | None) -> None:
         """No variables: any channel count."""
@@ -49,8 +58,8 @@ class _Pooling2D(Layer):
             x,
             init,
             op,
-            (1, *self.pool_size, 1),
-            (1, *self.strides, 1),
+            self._window(self.pool_size),
+            self._window(self.strides),
             self.padding.upper(),
         )
         return out
@@ -77,17 +86,26 @@ class AveragePooling2D(_Pooling2D):
         total = self._reduce(x, zero, jax.lax.add)
         if self.padding == "valid":
             return total / np.prod(self.pool_size)
-        ones = jnp.ones((1, *x.shape[1:3], 1), x.dtype)
+        spatial = x.shape[2:] if self.data_format == "channels_first" else x.shape[1:3]
+        ones = jnp.ones(self._window(tuple(spatial)), x.dtype)
         count = self._reduce(ones, zero, jax.lax.add)
         return total / count
 
 
 class _Global2D(Layer):
-    def __init__(self, keepdims: bool = False, name: str | None = None) -> None:
+    def __init__(
+        self,
+        keepdims: bool = False,
+        name: str | None = None,
+        *,
+        data_format: str = "channels_last",
+    ) -> None:
         super().__init__(name=name or keras_name(type(self).__name__))
         if not isinstance(keepdims, bool):
             raise TypeError(f"{type(self).__name__}: keepdims must be a bool, got {keepdims!r}.")
         self.keepdims = keepdims
+        self.data_format = data_format_of(data_format, type(self).__name__)
+        self.axes = (2, 3) if self.data_format == "channels_first" else (1, 2)
         self.built = True  # nothing to create
 
     def check_shape(self, *shapes: Shape | None) -> None:
@@ -95,7 +113,8 @@ class _Global2D(Layer):
         assert shape is not None
         if len(shape) != 4:
             raise ValueError(
-                f"{self.describe()} expects a 4-D input (batch, height, width, channels), got "
+                f"{self.describe()} expects a 4-D input (batch, height, width, channels; "
+                f"{self.data_format}), got "
                 f"shape {shape} ({len(shape)}-D). Add a batch axis with x[None] or a channel "
                 "axis with x[..., None]."
             )
@@ -111,7 +130,7 @@ class GlobalAveragePooling2D(_Global2D):
     def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
-        return jnp.mean(x, axis=(1, 2), keepdims=self.keepdims)
+        return jnp.mean(x, axis=self.axes, keepdims=self.keepdims)
 
 
 class GlobalMaxPooling2D(_Global2D):
@@ -120,4 +139,4 @@ class GlobalMaxPooling2D(_Global2D):
     def __call__(self, x: ValueLike) -> jax.Array:
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
-        return jnp.max(x, axis=(1, 2), keepdims=self.keepdims)
+        return jnp.max(x, axis=self.axes, keepdims=self.keepdims)

@@ -124,7 +124,9 @@ def test_set_weights_wrong_dtype_names_the_index_and_changes_nothing():
         def __init__(self):
             self.n = counter
 
-    with pytest.raises(TypeError, match=r"array 0 has dtype float64, which does not fit variable 0 \(n, int32\)"):
+    with pytest.raises(
+        TypeError, match=r"array 0 has dtype float64, which does not fit variable 0 \(n, int32\)"
+    ):
         Holder().set_weights([np.float64(1.5)])
     assert int(counter) == 0
     for a, b in zip(before, _snapshot(layer)):
