@@ -115,7 +115,8 @@ def initializer(init: LayerInitializer, default: Initializer, layer: str, what: 
     """``init`` (a callable ``init(shape, dtype)`` or a ``ps.initializers`` name), or ``default``."""
     if init is None:
         return default
-    init = _init.resolve(init)  # an uncalled factory (ps.initializers.he_normal) is called
+    if callable(init):  # an uncalled factory (ps.initializers.he_normal) is called
+        init = cast(LayerInitializer, _init.resolve(init))
     if isinstance(init, str):
         factory = getattr(_init, init, None)
         if factory is None or not callable(factory):

@@ -245,9 +245,9 @@ class Sequential(Layer):
         for that is built from its input shape first, as Keras does)."""
         shape: Shape = tuple(input_shape)
         for i, layer in enumerate(self.layers):
-            unknown = isinstance(layer, Layer) and layer.compute_output_shape(shape) is None
-            if unknown and not layer.built:
-                layer.build(shape)
+            unbuilt = layer if isinstance(layer, Layer) and not layer.built else None
+            if unbuilt is not None and unbuilt.compute_output_shape(shape) is None:
+                unbuilt.build(shape)  # its shape needs its variables
             shape = _output_shape(self, i, layer, shape)
         return shape
 
