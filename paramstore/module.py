@@ -32,6 +32,7 @@ from paramstore import scope as _scope
 from paramstore._core import html as _html
 from paramstore._core import training as _training
 from paramstore._core.context import Scope, ctx, prefixed
+from paramstore._core.jax_api import refuse_as_array
 from paramstore._core.store import default_store
 from paramstore._summary import summary as _summary
 from paramstore._traverse import Key, Node, container_items, walk
@@ -288,3 +289,17 @@ class Module(Node):
         pending = self.__dict__.get("_ps_pending")
         if pending is not None:
             pending.attached(self, name, value)
+
+
+def _not_an_array(module: Module) -> str:
+    return (
+        f"{type(module).__name__} '{module.scope_name}' was passed as an argument to a JAX "
+        "transformation (jax.jit, jax.grad, jax.vmap, ...), but a Module is not an array: its "
+        "variables are state a plain JAX function cannot read or update. Compile with "
+        "ps.function instead of jax.jit (it takes Modules as arguments and writes their "
+        "variables back), or pass ps.state(model) (a pytree of arrays) and run the model "
+        "with ps.pure(fn, model)."
+    )
+
+
+refuse_as_array(Module, _not_an_array)

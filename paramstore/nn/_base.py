@@ -31,6 +31,7 @@ from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paramstore import initializers as _init
 from paramstore.module import Module
@@ -45,6 +46,7 @@ __all__ = [
     "initializer",
     "keras_name",
     "resolve_activation",
+    "traced_training",
 ]
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -129,6 +131,16 @@ def initializer(init: LayerInitializer, default: Initializer, layer: str, what: 
             f"ps.initializers.glorot_uniform(), got {type(init).__name__}."
         )
     return cast(Initializer, init)
+
+
+def traced_training(training: Any) -> jax.Array | None:
+    """``training`` given as a boolean array scalar (a ``ps.function`` argument, traced) as a
+    bool array, for layers that choose with ``jnp.where``; None for a Python bool or None."""
+    if training is None or isinstance(training, (bool, np.bool_)):
+        return None
+    if isinstance(training, jax.Array) and training.shape == () and training.dtype == bool:
+        return training
+    return None
 
 
 def as_float(x: ValueLike, layer: Layer | str = "this layer") -> jax.Array:

@@ -180,6 +180,8 @@ class _Conv(Layer):
 
     def check_built(self, *shapes: Shape | None) -> None:
         """The channel axis must be the one the kernel was built for."""
+        if self.data_format == "channels_last":
+            return super().check_built(*shapes)
         old, new = self._built_shapes[0] if self._built_shapes else None, shapes[0]
         if old is None or new is None:
             return

@@ -23,6 +23,7 @@ from paramstore.nn._base import (
     features,
     initializer,
     resolve_activation,
+    traced_training,
 )
 from paramstore.typing import LayerInitializer, ValueLike
 from paramstore.variable import Variable
@@ -187,13 +188,17 @@ class Dropout(Layer):
         self.generator = generator
         self.built = True
 
-    def __call__(self, x: ValueLike, training: bool = False) -> jax.Array:
+    def __call__(self, x: ValueLike, training: bool | jax.Array = False) -> jax.Array:
+        """``x`` with dropout when ``training`` (a Python bool, or a traced boolean scalar:
+        then both are computed and ``jnp.where`` picks one, a key drawn either way)."""
         x = jnp.asarray(x)
-        if not training or self.rate == 0.0:
+        flag = traced_training(training)
+        if self.rate == 0.0 or (flag is None and not training):
             return x
         key = self.generator.key() if self.generator is not None else _random.next_key()
         keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
-        return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+        out = jnp.where(keep, x / (1.0 - self.rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+        return out if flag is None else jnp.where(flag, out, x)
 
 
 def _takes_training(layer: Callable[..., Any]) -> bool:

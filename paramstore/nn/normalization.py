@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore._core.layout import Partition
-from paramstore.nn._base import Layer, Shape, as_float, features
+from paramstore.nn._base import Layer, Shape, as_float, features, traced_training
 from paramstore.typing import ValueLike
 from paramstore.variable import Variable
 
@@ -103,14 +103,19 @@ class BatchNormalization(Layer):
             lambda: _init.ones()((n,)), trainable=False, name="moving_variance"
         )
 
-    def __call__(self, x: ValueLike, training: bool = False) -> jax.Array:
+    def __call__(self, x: ValueLike, training: bool | jax.Array = False) -> jax.Array:
+        """Normalize ``x``; ``training`` is a Python bool, or a traced boolean scalar (then
+        the batch and the moving statistics are both computed and ``jnp.where`` picks)."""
         x = as_float(x, self)
-        if training and x.ndim < 2:
+        flag = traced_training(training)
+        if (flag is not None or training) and x.ndim < 2:
             raise ValueError(
                 f"{self.describe()} in training mode needs a batch axis, got an input of "
                 f"shape {tuple(x.shape)}."
             )
         self.ensure_built(tuple(x.shape))
+        if flag is not None:
+            return self._either(x, flag)
         if training:
             axes = tuple(range(x.ndim - 1))
             mean = jnp.mean(x, axis=axes)
@@ -125,5 +130,19 @@ class BatchNormalization(Layer):
             )
         else:
             mean, var = self.moving_mean.value(), self.moving_variance.value()
+        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+        return y * self.gamma.value() + self.beta.value()
+
+    def _either(self, x: jax.Array, flag: jax.Array) -> jax.Array:
+        """Training mode where ``flag`` holds, inference mode elsewhere (one program)."""
+        axes = tuple(range(x.ndim - 1))
+        mean = jnp.mean(x, axis=axes)
+        batch = (mean, jnp.mean(jnp.square(x - mean), axis=axes))
+        old = (self.moving_mean.value(), self.moving_variance.value())
+        m = self.momentum
+        for moving, o, b in zip((self.moving_mean, self.moving_variance), old, batch):
+            new = jnp.where(flag, o * m + jax.lax.stop_gradient(b) * (1.0 - m), o)
+            moving.assign(new.astype(moving.dtype), read_value=False)
+        mean, var = (jnp.where(flag, b, o) for b, o in zip(batch, old))
         y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
         return y * self.gamma.value() + self.beta.value()
