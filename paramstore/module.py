@@ -183,10 +183,13 @@ class Module(Node):
 
     @property
     def trainable_variables(self) -> tuple[Variable, ...]:
+        """The trainable Variables of this module and its submodules, in ``variables`` order."""
         return tuple(self._flatten(lambda x: isinstance(x, Variable) and x.trainable))
 
     @property
     def non_trainable_variables(self) -> tuple[Variable, ...]:
+        """The non-trainable Variables of this module and its submodules, in ``variables``
+        order."""
         return tuple(self._flatten(lambda x: isinstance(x, Variable) and not x.trainable))
 
     @property

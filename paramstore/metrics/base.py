@@ -53,6 +53,7 @@ class Metric(Module):
     total: Variable
 
     def describe(self) -> str:
+        """``"Mean 'loss'"``: how error messages name this metric."""
         return f"{type(self).__name__} '{self.scope_name}'"
 
     def reset_state(self) -> None:
@@ -114,10 +115,12 @@ class Sum(Metric):
         self.total = zero("total")
 
     def update_state(self, values: ValueLike, sample_weight: ValueLike | None = None) -> None:
+        """Add the (weighted) sum of ``values`` to ``total``."""
         values, _ = self._samplewise(values, sample_weight, mean=False)
         self.total.assign_add(jnp.sum(values), read_value=False)
 
     def result(self) -> Array:
+        """The sum so far."""
         return self.total.value()
 
 
@@ -131,6 +134,7 @@ class Mean(Metric):
         self.count = zero("count")
 
     def update_state(self, values: ValueLike, sample_weight: ValueLike | None = None) -> None:
+        """Add a batch of ``values`` (weighted by ``sample_weight``) to the mean."""
         self._add(values, sample_weight)
 
     def _add(self, values: ValueLike, sample_weight: ValueLike | None) -> None:
@@ -151,6 +155,7 @@ class Mean(Metric):
         self.count.assign_add(both[1], read_value=False)
 
     def result(self) -> Array:
+        """``total / count`` (0 before any update)."""
         total, count = self.total.value(), self.count.value()
         return jnp.where(
             count == 0, jnp.zeros((), total.dtype), total / jnp.where(count == 0, 1, count)

@@ -180,6 +180,8 @@ class MultiHeadAttention(Layer):
         mask: ValueLike | None = None,
         use_causal_mask: bool = False,
     ) -> jax.Array:
+        """Attend from ``query`` to ``value`` (keyed by ``key``, default ``value``) under
+        ``mask``; returns an array of ``query``'s shape."""
         q_in = as_float(query, self)
         v_in = q_in if value is query else as_float(value, self)
         k_in = v_in if key is None else as_float(key, self)

@@ -70,6 +70,7 @@ class Dense(Layer):
         self._bias_init = initializer(bias_initializer, _init.zeros(), "Dense", "bias_initializer")
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``kernel`` ``(input_shape[-1], units)`` and ``bias`` ``(units,)``."""
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
         n_in, (k_part, b_part) = features(self, input_shape), self._partitions
         self.kernel = Variable(lambda: k_init((n_in, units)), name="kernel", partition=k_part)
@@ -80,9 +81,11 @@ class Dense(Layer):
         )
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """``input_shape`` with its last axis replaced by ``units``."""
         return (*input_shape[:-1], self.units)
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``activation(x @ kernel + bias)``, building the layer on the first call."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         y = jnp.matmul(x, self.kernel.value())
@@ -124,6 +127,8 @@ class Embedding(Layer):
         )
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``embeddings`` ``(input_dim, output_dim)`` (the ids' shape does not
+        matter)."""
         init, shape = self._init, (self.input_dim, self.output_dim)
         self.embeddings = Variable(
             lambda: init(shape), name="embeddings", partition=self._partition
@@ -136,6 +141,8 @@ class Embedding(Layer):
         """The table does not depend on the ids' shape."""
 
     def __call__(self, ids: ValueLike) -> jax.Array:
+        """The rows of ``embeddings`` for the integer ``ids`` (shape ``ids.shape +
+        (output_dim,)``)."""
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(
@@ -235,6 +242,7 @@ class Sequential(Layer):
         self.built = False  # a new layer is built by the next call or build()
 
     def build(self, input_shape: Shape) -> None:
+        """Build every layer in turn from the shape the previous ones produce."""
         shape: Shape = input_shape
         for i, layer in enumerate(self.layers):
             if isinstance(layer, Layer):
@@ -257,6 +265,7 @@ class Sequential(Layer):
         return shape
 
     def __call__(self, x: Any, training: bool | None = None) -> Any:
+        """Call the layers in order, passing ``training`` to those that take it."""
         for layer in self.layers:
             if training is not None and _takes_training(layer):
                 x = layer(x, training=training)

@@ -45,14 +45,17 @@ class LayerNormalization(Layer):
         self.epsilon = _check_epsilon(epsilon, "LayerNormalization")
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The input's shape (normalization keeps it)."""
         return input_shape
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``gamma`` and ``beta`` ``(features,)``."""
         n, (g_part, b_part) = features(self, input_shape), self._partitions
         self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma", partition=g_part)
         self.beta = Variable(lambda: _init.zeros()((n,)), name="beta", partition=b_part)
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """Normalize ``x`` over its last axis, then scale by ``gamma`` and shift by ``beta``."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         mean = jnp.mean(x, axis=-1, keepdims=True)
@@ -90,9 +93,12 @@ class BatchNormalization(Layer):
         self.epsilon = _check_epsilon(epsilon, "BatchNormalization")
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The input's shape (normalization keeps it)."""
         return input_shape
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``gamma``, ``beta``, ``moving_mean`` and ``moving_variance``
+        ``(features,)``."""
         n = features(self, input_shape)
         self.gamma = Variable(lambda: _init.ones()((n,)), name="gamma")
         self.beta = Variable(lambda: _init.zeros()((n,)), name="beta")

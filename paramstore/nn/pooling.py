@@ -70,6 +70,7 @@ class MaxPooling2D(_Pooling2D):
     ``pool_size``), as ``keras.layers.MaxPooling2D``; ``"same"`` padding pads with -inf."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """The maximum of each window of ``x``."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         return self._reduce(x, -jnp.inf, jax.lax.max)
@@ -80,6 +81,7 @@ class AveragePooling2D(_Pooling2D):
     ``"same"`` padding the padded positions are left out of the mean (as Keras does)."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """The mean of each window of ``x``."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         zero = 0.0  # Python scalars select the differentiable reduce_window_{max,sum}
@@ -128,6 +130,7 @@ class GlobalAveragePooling2D(_Global2D):
     c)`` with ``keepdims=True``), as ``keras.layers.GlobalAveragePooling2D``."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """The mean of ``x`` over its spatial axes."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         return jnp.mean(x, axis=self.axes, keepdims=self.keepdims)
@@ -137,6 +140,7 @@ class GlobalMaxPooling2D(_Global2D):
     """The maximum over height and width, as ``keras.layers.GlobalMaxPooling2D``."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """The maximum of ``x`` over its spatial axes."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         return jnp.max(x, axis=self.axes, keepdims=self.keepdims)

@@ -116,6 +116,7 @@ class _RNN(Layer):
         return dict(self._config)
 
     def check_shape(self, *shapes: Shape | None) -> None:
+        """A 3-D input ``(batch, timesteps, features)``, else ValueError naming the layer."""
         shape = shapes[0]
         if shape is not None and len(shape) != 3:
             raise ValueError(
@@ -131,6 +132,8 @@ class _RNN(Layer):
         return jnp.asarray(self._bias_init(shape))
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``kernel``, ``recurrent_kernel`` and ``bias`` for inputs of
+        ``input_shape``."""
         n_in, units, n = features(self, input_shape), self.units, self.gates * self.units
         k_init, r_init = self._kernel_init, self._recurrent_init
         self.kernel = Variable(lambda: k_init((n_in, n)), name="kernel")
@@ -141,6 +144,8 @@ class _RNN(Layer):
         )
 
     def compute_output_shape(self, input_shape: Shape) -> Shape | None:
+        """``(batch, units)``, or ``(batch, timesteps, units)`` with ``return_sequences``
+        (None with ``return_state``: a list)."""
         if self.return_state:
             return None  # a list of shapes: not a Sequential layer
         if self.return_sequences:
@@ -181,6 +186,9 @@ class _RNN(Layer):
         initial_state: Sequence[ValueLike] | None = None,
         training: bool | None = None,
     ) -> Output:
+        """Run the layer over ``sequences`` ``(batch, timesteps, features)`` from
+        ``initial_state`` (zeros by default); see the module docstring for what it
+        returns."""
         x = as_float(sequences, self)
         self.check_shape(tuple(x.shape))
         carry = self._initial(x, initial_state)  # checked before anything is built
@@ -397,9 +405,11 @@ class Bidirectional(Layer):
         self.return_state = layer.return_state
 
     def check_shape(self, *shapes: Shape | None) -> None:
+        """A 3-D input, as the wrapped layer needs."""
         self.forward_layer.check_shape(*shapes)
 
     def build(self, input_shape: Shape) -> None:
+        """Build both directions for inputs of ``input_shape``."""
         self.forward_layer.build(input_shape)
         self.backward_layer.build(input_shape)
 
@@ -407,6 +417,8 @@ class Bidirectional(Layer):
         """Each direction checks its own input."""
 
     def compute_output_shape(self, input_shape: Shape) -> Shape | None:
+        """The merged output's shape (None when ``merge_mode`` is None or with
+        ``return_state``)."""
         shape = self.forward_layer.compute_output_shape(input_shape)
         if shape is None or self.merge_mode is None:
             return None
@@ -420,6 +432,8 @@ class Bidirectional(Layer):
         initial_state: Sequence[ValueLike] | None = None,
         training: bool | None = None,
     ) -> Output:
+        """Run both directions over ``sequences`` and merge them (``initial_state``: the
+        forward states, then the backward ones)."""
         x = as_float(sequences, self)
         self.ensure_built(tuple(x.shape))
         forward_state = backward_state = None

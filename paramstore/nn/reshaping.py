@@ -29,11 +29,13 @@ class Flatten(_Stateless):
     input becomes ``(batch, 1)``). The dtype is kept."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``x`` reshaped to ``(batch, -1)``."""
         x = jnp.asarray(x)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], -1) if x.ndim != 1 else x[:, None]
 
     def check_shape(self, *shapes: Shape | None) -> None:
+        """At least a batch axis."""
         shape = shapes[0]
         assert shape is not None
         if len(shape) == 0:
@@ -65,6 +67,7 @@ class Reshape(_Stateless):
         self.target_shape = dims
 
     def check_shape(self, *shapes: Shape | None) -> None:
+        """The input's size fits ``target_shape``."""
         shape = shapes[0]
         assert shape is not None
         if len(shape) == 0:
@@ -84,6 +87,7 @@ class Reshape(_Stateless):
             )
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``x`` reshaped to ``(batch, *target_shape)``."""
         x = jnp.asarray(x)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], *self.target_shape)
@@ -106,5 +110,6 @@ class Activation(_Stateless):
         """Any shape."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``fn(x)``."""
         x = jnp.asarray(x)
         return self.activation(x)
