@@ -128,7 +128,9 @@ def _rendered_members(cls: type) -> list[str]:
         name
         for name, member in vars(cls).items()
         if not _HIDDEN_MEMBERS.search(name)
-        and (inspect.isfunction(member) or isinstance(member, (property, classmethod, staticmethod)))
+        and (
+            inspect.isfunction(member) or isinstance(member, (property, classmethod, staticmethod))
+        )
     ]
 
 
