@@ -106,3 +106,11 @@ def test_repeat_abstract_benchmark_prints_its_rows_and_ratios():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| abstract build n=48" in done.stdout and "initialize n=2 / concrete" in done.stdout
+
+
+@pytest.mark.slow
+def test_recurrent_benchmark_prints_ratios_and_first_calls():
+    out = run("recurrent.py", "--quick")
+    assert "pure JAX: lax.scan cell, jax.jit, donated [reference]" in out
+    assert "step, ps.function / pure JAX:" in out and "Keras" in out
+    assert "trace + compile, seq 16 / seq 4:" in out
