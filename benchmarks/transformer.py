@@ -67,7 +67,7 @@ def params_of(model: Any) -> dict[str, Any]:
         "blocks": [
             {
                 "ln1": ln(b.ln1),
-                "attn": {k: c(v) for k, v in b.attn.weights.items()},
+                "attn": {"/".join(v.name.split("/")[-2:]): c(v) for v in b.attn.weights},
                 "ln2": ln(b.ln2),
                 "mlp_in": dense(b.mlp_in),
                 "mlp_out": dense(b.mlp_out),

@@ -17,7 +17,7 @@ from paramstore import (
 )
 from paramstore._core.placement import device
 from paramstore._display.display import display
-from paramstore._display.summary import summary
+from paramstore._summary import summary
 from paramstore._variable.abstract import abstract
 from paramstore.averaging import ExponentialMovingAverage
 from paramstore.checkpoint import CheckpointManager, Saver

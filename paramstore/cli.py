@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from paramstore import __version__
 from paramstore._core.html import human_bytes
 from paramstore.checkpoint.format import (
     CheckpointError,
@@ -135,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="python -m paramstore", description="paramstore command line."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"paramstore {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="train an MLP on the digits data set", add_help=False)

@@ -144,7 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         model(x_train[:1])  # the layers build their variables from the input's last axis
         opt = ps.Optimizer(optax.adam(args.learning_rate), model)
         n_params = sum(v.size for v in model.trainable_variables)
-        print(f"model: {len(model.trainable_variables)} variables, {n_params} parameters")
+        n_opt = len(opt.variables)
+        print(
+            f"model: {len(model.trainable_variables)} variables, {n_params} parameters "
+            f"(the checkpoint also holds the optimizer's {n_opt} variables)"
+        )
 
         train_loss = ps.metrics.Mean(name="loss")
         train_accuracy = ps.metrics.SparseCategoricalAccuracy(name="accuracy")
@@ -202,7 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         manager = ps.CheckpointManager(args.output_dir, ckpt, max_to_keep=3)
         path = manager.save(int(opt.iterations.numpy()))
         count = len(ckpt.variables_by_path())
-        print(f"checkpoint: saved {count} variables to {os.path.abspath(path)}")
+        print(
+            f"checkpoint: saved {count} variables (model {len(model.variables)}, optimizer "
+            f"{count - len(model.variables)}) to {os.path.abspath(path)}"
+        )
         print(f"  inspect it with: python -m paramstore inspect {args.output_dir}")
     return 0
 

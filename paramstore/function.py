@@ -166,6 +166,8 @@ class Function(Generic[P, R]):
         return new
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the compiled function (tracing it for a new signature first); assigned
+        variables are updated after the call."""
         if self._simple and not kwargs and not _trace.depth:
             # The common call: arrays only, no static arguments, no frame anywhere. Keyed
             # on the avals alone; the general path below costs ~5 us more per call.

@@ -39,8 +39,9 @@ is the same frame with an open set of variables.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import jax
 import numpy as np
@@ -224,7 +225,27 @@ def value_and_grad(
             var._swap(x)
         return out, parsed.rebuild([grads[i] for i in at])
 
-    return wrapped
+    made = _GradFunction(wrapped, "ps.value_and_grad", "loss, grads")
+    return cast(Callable[P, tuple[R, PyTree]], made)
+
+
+class _GradFunction:
+    """The function ``ps.grad``/``ps.value_and_grad`` return; unpacking it (the call's
+    ``()`` forgotten) raises a TypeError saying to call it."""
+
+    def __init__(self, fn: Callable[..., Any], what: str, result: str) -> None:
+        self._fn, self._what, self._result = fn, what, result
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __iter__(self) -> Any:
+        raise TypeError(
+            f"{self._what}(fn, variables) returns a function, which cannot be unpacked: call "
+            f"it with fn's arguments, {self._result} = {self._what}(fn, model)(*args) (the "
+            "trailing () when fn takes none)."
+        )
 
 
 def _check_built(variables: VariablesLike, owner: str) -> None:
@@ -251,4 +272,4 @@ def grad(
         out, grads = vg(*args, **kwargs)
         return (grads, out[1]) if has_aux else grads
 
-    return wrapped
+    return cast(Callable[P, PyTree], _GradFunction(wrapped, "ps.grad", "grads"))

@@ -22,9 +22,9 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -32,8 +32,10 @@ from paramstore import scope as _scope
 from paramstore._core import html as _html
 from paramstore._core import training as _training
 from paramstore._core.context import Scope, ctx, prefixed
+from paramstore._core.jax_api import refuse_as_array
 from paramstore._core.store import default_store
-from paramstore._traverse import Key, Node, walk
+from paramstore._summary import summary as _summary
+from paramstore._traverse import Key, Node, container_items, walk
 from paramstore.variable import Variable
 
 __all__ = ["Module"]
@@ -64,6 +66,56 @@ def _camel_to_snake(name: str) -> str:
     return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
 
 
+def _kind_fits(given: np.dtype[Any], want: np.dtype[Any]) -> bool:
+    """May a value of dtype ``given`` go into a variable of ``want`` (``set_weights``)?"""
+    if given == want:
+        return True
+    if np.issubdtype(want, np.floating) or want.kind == "V":  # bfloat16 & co. are "V"
+        return given.kind in "biuf" or given.kind == "V"
+    if np.issubdtype(want, np.integer):
+        return given.kind in "biu"
+    if np.issubdtype(want, np.complexfloating):
+        return given.kind in "biufc"
+    return False
+
+
+def _describe(module: Module) -> str:
+    describe = getattr(module, "describe", None)
+    if callable(describe):
+        return str(describe())
+    return f"{type(module).__name__} '{module.scope_name}'"
+
+
+def _keras_weights(module: Module, seen: set[int], out: list[Variable]) -> None:
+    """Append ``module``'s variables to ``out`` in Keras' order (see ``Module.weights``):
+    its own variables, then each sub-module's whole, attributes in assignment order."""
+    first = (*type(module)._keras_order, *getattr(type(module), "variable_names", ()))
+    attrs = list(vars(module))
+    rank = {k: (first.index(k) if k in first else len(first) + attrs.index(k)) for k in attrs}
+    children = sorted(
+        ((k, v) for k, v in module._ps_children() if isinstance(k, str) and k in rank),
+        key=lambda kv: rank[kv[0]],
+    )
+    subs: list[Module] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, (Variable, Module)):
+            if id(x) not in seen:
+                seen.add(id(x))
+                if isinstance(x, Variable):
+                    out.append(x)
+                else:
+                    subs.append(x)
+            return
+        for _, child in container_items(x) or ():
+            visit(child)
+
+    for _, value in children:
+        visit(value)
+    for sub in subs:
+        _keras_weights(sub, seen, out)
+
+
 def _check_name(name: Any) -> None:
     if name is not None and not isinstance(name, str):
         raise TypeError(
@@ -81,6 +133,8 @@ class Module(Node):
 
     _scope_name: str
     _module_name: str
+    # Attributes whose variables come first in ``weights`` (Keras' order), in this order.
+    _keras_order: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -184,12 +238,87 @@ class Module(Node):
 
     @property
     def non_trainable_variables(self) -> tuple[Variable, ...]:
+        """The non-trainable Variables of this module and its submodules, in ``variables``
+        order."""
         return tuple(self._flatten(lambda x: isinstance(x, Variable) and not x.trainable))
 
     @property
     def submodules(self) -> tuple[Module, ...]:
         """Every Module held (recursively), in tf.Module order."""
         return tuple(self._flatten(lambda x: isinstance(x, Module)))
+
+    # ---------------------------------------------------------------- Keras' weights API
+
+    @property
+    def weights(self) -> list[Variable]:
+        """Every Variable, in Keras' order (a layer's own variables as Keras creates them,
+        ``kernel`` before ``bias``; then its sub-layers, each whole, in attribute order,
+        a ``Sequential``'s in list order), so ``keras_layer.set_weights(layer.get_weights())``
+        lines up. The same set as ``variables``, ordered differently."""
+        out: list[Variable] = []
+        _keras_weights(self, {id(self)}, out)
+        return out
+
+    @property
+    def trainable_weights(self) -> list[Variable]:
+        """``trainable_variables`` (Keras' name), in ``weights`` order."""
+        keep = {id(v) for v in self.trainable_variables}
+        return [v for v in self.weights if id(v) in keep]
+
+    @property
+    def non_trainable_weights(self) -> list[Variable]:
+        """``non_trainable_variables`` (Keras' name), in ``weights`` order."""
+        keep = {id(v) for v in self.trainable_variables}
+        return [v for v in self.weights if id(v) not in keep]
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The values of ``weights`` as NumPy copies, in that order (as Keras)."""
+        return [v.numpy() for v in self.weights]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Assign ``weights`` (arrays in ``weights`` order, as ``get_weights`` returns them).
+
+        Checked before anything is assigned (all or nothing): the count, each shape, and
+        each dtype's kind: a floating value may go into a floating variable of another
+        width (cast, as Keras does: ``np.random.rand`` gives float64), an integer or bool
+        into an integer or floating one; anything else (a float into an int variable, a
+        complex into a float) raises TypeError naming the layer and the index."""
+        own = self.weights
+        who = _describe(self)
+        values = list(weights)
+        if len(values) != len(own):
+            raise ValueError(
+                f"{who}.set_weights expects {len(own)} arrays (one per variable in "
+                f".weights order: {[v.name for v in own]}), got {len(values)}. Nothing was "
+                "assigned."
+            )
+        cast = []
+        for i, (v, w) in enumerate(zip(own, values)):
+            arr = np.asarray(w)
+            if tuple(arr.shape) != tuple(v.shape):
+                raise ValueError(
+                    f"{who}.set_weights: array {i} has shape {tuple(arr.shape)} but variable "
+                    f"{i} ({v.name}) has shape {tuple(v.shape)}. Nothing was assigned."
+                )
+            if not _kind_fits(arr.dtype, np.dtype(v.dtype)):
+                raise TypeError(
+                    f"{who}.set_weights: array {i} has dtype {arr.dtype}, which does not fit "
+                    f"variable {i} ({v.name}, {v.dtype}). Pass values of that kind "
+                    f"(arr.astype({str(v.dtype)!r}) if the conversion is meant). Nothing was "
+                    "assigned."
+                )
+            cast.append(arr.astype(v.dtype))
+        for v, arr in zip(own, cast):
+            v.assign(arr, read_value=False)
+
+    def count_params(self) -> int:
+        """The number of scalars in ``weights`` (Keras' ``count_params``)."""
+        return sum(int(v.size) for v in self.weights)
+
+    def summary(self) -> None:
+        """Print ``ps.summary(self)``, the table of the variables (as Keras'
+        ``model.summary()``, it returns None; ``ps.summary`` returns the text)."""
+        print(_summary(self))
 
     def _flatten(self, predicate: Callable[[Any], bool]) -> Iterator[Any]:
         return (x for _, x in walk(self) if x is not self and predicate(x))
@@ -212,3 +341,17 @@ class Module(Node):
         if self.__dict__.get(PENDING) is not None:
             for hook in _attribute_hooks:
                 hook(self, name, value)
+
+
+def _not_an_array(module: Module) -> str:
+    return (
+        f"{type(module).__name__} '{module.scope_name}' was passed as an argument to a JAX "
+        "transformation (jax.jit, jax.grad, jax.vmap, ...), but a Module is not an array: its "
+        "variables are state a plain JAX function cannot read or update. Compile with "
+        "ps.function instead of jax.jit (it takes Modules as arguments and writes their "
+        "variables back), or pass ps.state(model) (a pytree of arrays) and run the model "
+        "with ps.pure(fn, model)."
+    )
+
+
+refuse_as_array(Module, _not_an_array)

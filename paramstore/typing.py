@@ -101,7 +101,9 @@ class Initializer(Protocol):
     """``init(shape, dtype=jnp.float32) -> jax.Array``: what every factory of
     ``ps.initializers`` returns."""
 
-    def __call__(self, shape: ShapeLike, dtype: DTypeLike = jnp.float32) -> jax.Array: ...
+    def __call__(self, shape: ShapeLike, dtype: DTypeLike = jnp.float32) -> jax.Array:
+        """An array of ``shape`` and ``dtype``."""
+        ...
 
 
 InitialValue: TypeAlias = ValueLike | Callable[[], ValueLike] | Initializer | jax.ShapeDtypeStruct
@@ -155,14 +157,18 @@ class HasState(Protocol):
     """An object whose ``.state`` is a Variable (``ps.random.Generator``)."""
 
     @property
-    def state(self) -> Variable: ...
+    def state(self) -> Variable:
+        """The Variable holding the state."""
+        ...
 
 
 class HasVariables(Protocol):
     """An object with a (non-callable) ``.variables`` attribute holding variables."""
 
     @property
-    def variables(self) -> Iterable[object]: ...
+    def variables(self) -> Iterable[object]:
+        """The variables held."""
+        ...
 
 
 VariablesLike: TypeAlias = Union[

@@ -101,6 +101,7 @@ class Reference:
         self._var = var
 
     def deref(self) -> Variable:
+        """The Variable this reference points to."""
         return self._var
 
     def __hash__(self) -> int:

@@ -182,3 +182,11 @@ def test_recipes_precision_benchmark_prints_the_targets():
     assert "temp memory, ps mixed_bfloat16 / ps float32" in out
     assert "step, ps LossScaleOptimizer / jax+optax loss scaling" in out
     assert "temp memory at batch 16, ps mixed_bfloat16 / ps float32" in out
+
+
+@pytest.mark.slow
+def test_recurrent_benchmark_prints_ratios_and_first_calls():
+    out = run("recurrent.py", "--quick")
+    assert "pure JAX: lax.scan cell, jax.jit, donated [reference]" in out
+    assert "step, ps.function / pure JAX:" in out and "Keras" in out
+    assert "trace + compile, seq 16 / seq 4:" in out

@@ -43,7 +43,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, list[str]]] = [
     ("core", ["typing", "_core"]),
     ("variable", ["variable", "_variable", "constraints", "regularizers"]),
-    ("scopes and modules", ["scope", "module", "initializers", "random", "_traverse", "_collect"]),
+    (
+        "scopes and modules",
+        ["scope", "module", "initializers", "random", "_traverse", "_collect", "_summary"],
+    ),
     ("functional core", ["functional", "remat", "regularization"]),
     ("compiled functions", ["function", "_function", "sharding"]),
     ("training", ["mixed_precision", "optimizer", "nn", "metrics", "_display", "averaging"]),

@@ -23,6 +23,9 @@ __all__ = ["variable_html", "module_html", "human_bytes", "nbytes"]
 
 _STYLE = "border-collapse:collapse;font-family:monospace;font-size:12px"
 _CELL = "padding:1px 8px;border-bottom:1px solid #ddd"
+# Names and attribute paths wrap (anywhere: they have no spaces) so that a deep model's
+# table keeps its Shape, Dtype, Params and Bytes columns on the page (issue 27: notebook 07).
+_WRAP = "max-width:24em;overflow-wrap:anywhere"
 _HEAD = ("Attribute", "Variable", "Shape", "Dtype", "Params", "Bytes", "Trainable")
 
 
@@ -70,8 +73,8 @@ def _row(path: str, v: Any) -> str:
     return (
         "<tr>"
         + "".join(
-            f'<td style="{_CELL};text-align:{"right" if i in (4, 5) else "left"}">'
-            f"{html.escape(c)}</td>"
+            f'<td style="{_CELL};text-align:{"right" if i in (4, 5) else "left"}'
+            f'{";" + _WRAP if i < 2 else ""}">{html.escape(c)}</td>'
             for i, c in enumerate(cells)
         )
         + "</tr>"

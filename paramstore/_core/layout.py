@@ -101,6 +101,7 @@ class LayoutMap(Layouts):
 
     @property
     def mesh(self) -> Mesh:
+        """The mesh the layouts refer to."""
         return self._mesh
 
     device_mesh = mesh  # Keras' name
@@ -148,12 +149,16 @@ class LayoutMap(Layouts):
         return len(self._layouts)
 
     def keys(self) -> KeysView[str]:
+        """The keys (exact names and regular expressions), in insertion order."""
         return self._layouts.keys()
 
     def items(self) -> ItemsView[str, Layout]:
+        """``(key, layout)`` pairs, in insertion order."""
         return self._layouts.items()
 
     def get(self, name: str, default: Layout = None) -> Layout:
+        """The layout stored under the key ``name`` (not a lookup by variable name), or
+        ``default``."""
         hit = self.lookup(name)
         return default if hit is None else hit[1]
 
@@ -205,6 +210,7 @@ class LayoutMap(Layouts):
         return sharding
 
     def replicated(self) -> Sharding:
+        """A sharding that replicates a variable over the whole mesh."""
         return NamedSharding(self._mesh, PartitionSpec())
 
 

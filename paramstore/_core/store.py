@@ -163,6 +163,7 @@ class VariableStore:
         return [v for _, v in items]
 
     def trainable_variables(self) -> list[Variable]:
+        """The live variables that are trainable, in creation order."""
         return [v for v in self.variables() if v.trainable]
 
     def state(self) -> State:

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from paramstore._display.summary import summary
+from paramstore._summary import summary
 from paramstore.module import Module
 from paramstore.variable import Variable
 

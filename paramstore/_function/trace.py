@@ -38,6 +38,21 @@ Shardings = Sharding | None | tuple[Any, ...] | list[Any] | dict[str, Any]
 
 _HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
 
+_CONCRETE_NOTE = (
+    "In {owner}: array arguments and Variables are traced while the function compiles, so "
+    "Python cannot see their values (float(v), int(x), `if v > 0`, `if training`). Use "
+    "jnp.where or jax.lax.cond for a choice that depends on a value; pass a flag such as "
+    'training as a Python bool marked static, ps.function(fn, static_argnames=("training",)); '
+    'or read the value outside the function (docs/guides/keras.md, "training").'
+)
+
+
+def _explained(e: BaseException, owner: str) -> BaseException:
+    """``e`` with a note saying what to do when it is JAX's concretization error."""
+    if isinstance(e, jax.errors.ConcretizationTypeError):
+        e.add_note(_CONCRETE_NOTE.format(owner=owner))
+    return e
+
 
 def is_ref(x: Any) -> bool:
     """Whether ``x`` is passed by reference (read, not passed): a Variable or a Module."""
@@ -92,13 +107,18 @@ def trace_signature(
                 out_leaves, new, result["assigned"] = [], [], []  # their values
         return out_leaves, new, [x for _, x in frame.created]
 
+    flat.__wrapped__ = fn  # type: ignore[attr-defined]  # JAX's messages name fn, not flat
     # No lock is held while the body is traced: a captured array is handed out
     # (_trace), so no step in another thread donates what this trace holds.
-    closed = jax.make_jaxpr(flat)(*arrays)
+    try:
+        closed = jax.make_jaxpr(flat)(*arrays)
+    except jax.errors.ConcretizationTypeError as e:  # float(v), if x > 0, if training
+        _explained(e, owner)
+        raise
     if frame.created:
         _initialize(closed, frame.created, result.get("error"))
     if "error" in result:
-        raise result["error"]
+        raise _explained(result["error"], owner)
     _sharding.settle_unplaced(result["assigned"], arrays, [v for v, _ in frame.captured.values()])
     return _lift(
         name,

@@ -30,11 +30,13 @@ class VariableSlice(ArrayOps):
         self._index = unwrap(index)
 
     def value(self) -> jax.Array:
+        """The slice's current value (a ``jax.Array``)."""
         return self._var.value()[self._index]
 
     read_value = value
 
     def numpy(self) -> np.ndarray:
+        """The slice's current value as a NumPy copy."""
         return np.array(self.value(), copy=True)
 
     @property
@@ -58,12 +60,18 @@ class VariableSlice(ArrayOps):
         return f"<ps.Variable '{self._var.name}'[{self._index!r}] value={self.value()!r}>"
 
     def assign(self, value: ValueLike, read_value: bool = True) -> Variable | None:
+        """Write ``value`` into the slice of the variable (shape and dtype checked, nothing
+        changed on error); returns the variable when ``read_value``."""
         return self._scatter(value, "set", exact=True, read_value=read_value)
 
     def assign_add(self, delta: ValueLike, read_value: bool = True) -> Variable | None:
+        """Add ``delta`` to the slice of the variable; returns the variable when
+        ``read_value``."""
         return self._scatter(delta, "add", exact=False, read_value=read_value)
 
     def assign_sub(self, delta: ValueLike, read_value: bool = True) -> Variable | None:
+        """Subtract ``delta`` from the slice of the variable; returns the variable when
+        ``read_value``."""
         return self._scatter(delta, "subtract", exact=False, read_value=read_value)
 
     def _scatter(self, value: Any, how: str, exact: bool, read_value: bool) -> Variable | None:

@@ -184,6 +184,7 @@ class CheckpointManager:
         return self._saver
 
     def path_for(self, step: int) -> str:
+        """The file path the checkpoint of ``step`` is (or would be) saved at."""
         name = f"ckpt-{check_step(step)}"
         if not self.saver._writes_sharded():
             name += ".safetensors"

@@ -150,6 +150,7 @@ class CheckpointStatus:
         self.path = path
         self._unused = set(names)  # file values not yet given to a variable
         self._restored: set[int] = set()
+        self._deferred: set[str] = set()  # values kept for variables not created yet
 
     def apply(self, v: Variable, value: np.ndarray, name: str) -> None:
         _apply(v, value, name, self.path)
@@ -163,8 +164,31 @@ class CheckpointStatus:
         variables, _ = object_paths(self._checkpoint)
         return [p for p, v in variables.items() if id(v) not in self._restored]
 
+    def _check_any_matched(self) -> None:
+        """A file none of whose values matched: say why (a ``ps.Saver`` file, most often)."""
+        if self._restored or self._deferred or not self._unused:
+            return
+        variables, _ = object_paths(self._checkpoint)
+        store_names = {v.name for v in variables.values()}
+        saver = sorted(self._unused & store_names)
+        why = (
+            f"its names are the variables' own names ({preview_names(saver)}): it was "
+            "written by ps.Saver, which keys values by variable name. Restore it with "
+            "ps.Saver(model).restore(path), or save with ps.Checkpoint"
+            if saver
+            else "the file's names are not the objects' attribute paths (ps.Checkpoint keys "
+            "a value by its path from the keyword: model=... gives 'model/...'); check the "
+            "keywords match the ones used to save, or use ps.Saver for a ps.Saver file"
+        )
+        raise CheckpointError(
+            f"Nothing was restored from checkpoint '{self.path}': none of its "
+            f"{len(self._unused)} value(s) matches a variable of the objects, so "
+            f"expect_partial() would not help: {why}."
+        )
+
     def assert_existing_objects_matched(self) -> CheckpointStatus:
         """Raise CheckpointError if a variable of the objects got no value from the file."""
+        self._check_any_matched()
         unmatched = self._unmatched_variables()
         if unmatched:
             raise CheckpointError(
@@ -203,7 +227,14 @@ class Checkpoint:
         ckpt.restore(path).assert_consumed()
     """
 
-    def __init__(self, *, sharded: bool | None = None, **objects: Trackable) -> None:
+    def __init__(self, *args: Any, sharded: bool | None = None, **objects: Trackable) -> None:
+        if args:
+            kinds = ", ".join(type(a).__name__ for a in args)
+            raise TypeError(
+                f"ps.Checkpoint takes its objects as keywords, got {len(args)} positional "
+                f"argument(s) ({kinds}). The keyword names each object in the file: write "
+                "ps.Checkpoint(model=model) (and optimizer=opt, ...), as tf.train.Checkpoint."
+            )
         if not objects:
             raise ValueError("ps.Checkpoint needs at least one object: Checkpoint(model=m).")
         for key, obj in objects.items():
@@ -268,6 +299,7 @@ class Checkpoint:
         assign_all(present, {n: values[n] for n in present}, {})
         for name, v in present.items():
             status.consumed(name, v)
+        status._deferred = set(later)
         for name, (module_path, module) in later.items():
             defer(module, name[len(module_path) + 1 :], name, values[name], status)
         return status

@@ -18,6 +18,7 @@ from paramstore.nn.pooling import (
     GlobalMaxPooling2D,
     MaxPooling2D,
 )
+from paramstore.nn.recurrent import GRU, LSTM, Bidirectional
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.reshaping import Activation, Flatten, Reshape
 
@@ -26,15 +27,18 @@ __all__ = [
     "Activation",
     "AveragePooling2D",
     "BatchNormalization",
+    "Bidirectional",
     "Conv1D",
     "Conv2D",
     "Dense",
     "Dropout",
     "Embedding",
     "Flatten",
+    "GRU",
     "GlobalAveragePooling2D",
     "GlobalMaxPooling2D",
     "Layer",
+    "LSTM",
     "LayerNormalization",
     "MaxPooling2D",
     "MultiHeadAttention",

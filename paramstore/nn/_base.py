@@ -47,7 +47,6 @@ from paramstore import initializers as _init
 from paramstore import mixed_precision as _mp
 from paramstore import regularizers as _regularizers
 from paramstore._core.layout import Partition
-from paramstore._display.summary import summary
 from paramstore.module import Module
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
 from paramstore.variable import Variable
@@ -65,6 +64,7 @@ __all__ = [
     "keras_name",
     "resolve_activation",
     "set_hooks",
+    "traced_training",
 ]
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -138,6 +138,8 @@ def initializer(init: LayerInitializer, default: Initializer, layer: str, what: 
     """``init`` (a callable ``init(shape, dtype)`` or a ``ps.initializers`` name), or ``default``."""
     if init is None:
         return default
+    if callable(init):  # an uncalled factory (ps.initializers.he_normal) is called
+        init = cast(LayerInitializer, _init.resolve(init))
     if isinstance(init, str):
         factory = getattr(_init, init, None)
         if factory is None or not callable(factory):
@@ -150,6 +152,16 @@ def initializer(init: LayerInitializer, default: Initializer, layer: str, what: 
             f"ps.initializers.glorot_uniform(), got {type(init).__name__}."
         )
     return cast(Initializer, init)
+
+
+def traced_training(training: Any) -> jax.Array | None:
+    """``training`` given as a boolean array scalar (a ``ps.function`` argument, traced) as a
+    bool array, for layers that choose with ``jnp.where``; None for a Python bool or None."""
+    if training is None or isinstance(training, (bool, np.bool_)):
+        return None
+    if isinstance(training, jax.Array) and training.shape == () and training.dtype == bool:
+        return training
+    return None
 
 
 def set_hooks(layer: Layer, **given: Any) -> None:
@@ -411,9 +423,15 @@ class Layer(Module):
         """``"Dense 'dense_1'"``: how error messages name this layer."""
         return f"{type(self).__name__} '{self.scope_name}'"
 
-    def summary(self) -> str:
-        """``ps.summary(self)``."""
-        return summary(self)
+    def count_params(self) -> int:
+        """The number of scalars in ``weights``; a layer not built yet raises ValueError (as
+        Keras: its variables do not exist yet)."""
+        if not self.built:
+            raise ValueError(
+                f"{self.describe()} is not built yet, so it has no parameters to count: call "
+                "it on an input (layer(x)) or build it (layer.build(input_shape)) first."
+            )
+        return super().count_params()
 
 
 Layer.build = _guarded(Layer.build)  # type: ignore[method-assign]

@@ -83,17 +83,33 @@ class MultiHeadAttention(Layer):
             kernel_initializer, _init.glorot_uniform(), "MultiHeadAttention", "kernel_initializer"
         )
         self._dims: tuple[int, int, int] | None = None
-        self.weights: dict[str, Variable] = {}
+        # Stored as "weights" (the checkpoint key: attn/weights/query/kernel); ``.weights``
+        # itself is Keras' list of variables (ps.Module.weights).
+        self.__dict__["weights"] = {}
+
+    @property
+    def _kernels(self) -> dict[str, Variable]:
+        """The variables by Keras name (``"query/kernel"``), stored as attribute "weights"."""
+        kernels: dict[str, Variable] = self.__dict__["weights"]
+        return kernels
+
+    @property
+    def weights(self) -> list[Variable]:
+        """Keras' order: query, key, value, attention_output, each kernel then bias."""
+        heads = ("query", "key", "value", "attention_output")
+        names = [f"{h}/{w}" for h in heads for w in ("kernel", "bias")]
+        first = [self._kernels[n] for n in names if n in self._kernels]
+        return first + [v for v in super().weights if all(v is not f for f in first)]
 
     def _dense(self, scope: str, shape: tuple[int, ...], bias: tuple[int, ...]) -> None:
         k_init = self._kernel_init
         k_part, b_part = self._partitions.get(scope, self._partitions[""])
         with _scope.name_scope(scope):
-            self.weights[f"{scope}/kernel"] = self.add_weight(
+            self._kernels[f"{scope}/kernel"] = self.add_weight(
                 "kernel", shape, k_init, partition=k_part
             )
             if self.use_bias:
-                self.weights[f"{scope}/bias"] = self.add_weight(
+                self._kernels[f"{scope}/bias"] = self.add_weight(
                     "bias", bias, _init.zeros(), partition=b_part
                 )
 
@@ -177,12 +193,14 @@ class MultiHeadAttention(Layer):
         mask: ValueLike | None = None,
         use_causal_mask: bool = False,
     ) -> jax.Array:
+        """Attend from ``query`` to ``value`` (keyed by ``key``, default ``value``) under
+        ``mask``; returns an array of ``query``'s shape."""
         q_in = as_float(query, self)
         v_in = q_in if value is query else as_float(value, self)
         k_in = v_in if key is None else as_float(key, self)
         self._check(q_in, k_in, v_in, mask)
         self.ensure_built(tuple(q_in.shape), tuple(v_in.shape), tuple(k_in.shape))
-        w = {name: self.cast(var) for name, var in self.weights.items()}
+        w = {name: self.cast(var) for name, var in self._kernels.items()}
 
         def project(x: jax.Array, name: str) -> jax.Array:
             y = jnp.einsum("bsd,dhk->bshk", x, w[f"{name}/kernel"])

@@ -94,6 +94,7 @@ class Dense(LoRALayer):
         self._init_lora(lora_rank, lora_alpha)
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``kernel`` ``(input_shape[-1], units)`` and ``bias`` ``(units,)``."""
         k_init, b_init, units = self._kernel_init, self._bias_init, self.units
         n_in, (k_part, b_part) = features(self, input_shape), self._partitions
         self.kernel = self.add_weight("kernel", (n_in, units), k_init, partition=k_part)
@@ -103,9 +104,11 @@ class Dense(LoRALayer):
         self._build_lora()
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """``input_shape`` with its last axis replaced by ``units``."""
         return (*input_shape[:-1], self.units)
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``activation(x @ kernel + bias)``, building the layer on the first call."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
         kernel = self.cast(self.kernel)
@@ -169,6 +172,8 @@ class Embedding(LoRALayer):
         self._init_lora(lora_rank, lora_alpha)
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``embeddings`` ``(input_dim, output_dim)`` (the ids' shape does not
+        matter)."""
         shape = (self.input_dim, self.output_dim)
         self.embeddings = self.add_weight(
             "embeddings", shape, self._init, partition=self._partition
@@ -182,6 +187,8 @@ class Embedding(LoRALayer):
         """The table does not depend on the ids' shape."""
 
     def __call__(self, ids: ValueLike) -> jax.Array:
+        """The rows of ``embeddings`` for the integer ``ids`` (shape ``ids.shape +
+        (output_dim,)``)."""
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(
@@ -301,6 +308,7 @@ class Sequential(Layer):
         self.built = False  # a new layer is built by the next call or build()
 
     def build(self, input_shape: Shape) -> None:
+        """Build every layer in turn from the shape the previous ones produce."""
         shape: Shape = input_shape
         for i, layer in enumerate(self.layers):
             if isinstance(layer, Layer):
@@ -310,9 +318,22 @@ class Sequential(Layer):
     def check_built(self, *shapes: Shape | None) -> None:
         """Each layer checks its own input."""
 
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The output shape for inputs of ``input_shape``, layer by layer (each layer's own
+        ``compute_output_shape``, else ``jax.eval_shape``; a layer that needs its variables
+        for that is built from its input shape first, as Keras does)."""
+        shape: Shape = tuple(input_shape)
+        for i, layer in enumerate(self.layers):
+            unbuilt = layer if isinstance(layer, Layer) and not layer.built else None
+            if unbuilt is not None and unbuilt.compute_output_shape(shape) is None:
+                unbuilt.build(shape)  # its shape needs its variables
+            shape = _output_shape(self, i, layer, shape)
+        return shape
+
     traced_training = True
 
     def __call__(self, x: Any, training: bool | jax.Array | None = None) -> Any:
+        """Call the layers in order, passing ``training`` to those that take it."""
         x = autocast(x, self)  # the layers inside cast to their own policies
         for layer in self.layers:
             if training is not None and _takes_training(layer):

@@ -46,14 +46,17 @@ class LayerNormalization(Layer):
         self.epsilon = _check_epsilon(epsilon, "LayerNormalization")
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The input's shape (normalization keeps it)."""
         return input_shape
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``gamma`` and ``beta`` ``(features,)``."""
         n, (g_part, b_part) = features(self, input_shape), self._partitions
         self.gamma = self.add_weight("gamma", (n,), _init.ones(), partition=g_part)
         self.beta = self.add_weight("beta", (n,), _init.zeros(), partition=b_part)
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """Normalize ``x`` over its last axis, then scale by ``gamma`` and shift by ``beta``."""
         # As Keras 3: the input is not autocast, the statistics and the affine map are
         # computed in at least float32 with gamma and beta as stored, and the result is
         # cast to the input's dtype, then to the compute dtype.
@@ -102,9 +105,12 @@ class BatchNormalization(Layer):
         self.epsilon = _check_epsilon(epsilon, "BatchNormalization")
 
     def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The input's shape (normalization keeps it)."""
         return input_shape
 
     def build(self, input_shape: Shape) -> None:
+        """Create ``gamma``, ``beta``, ``moving_mean`` and ``moving_variance``
+        ``(features,)``."""
         n = features(self, input_shape)
         self.gamma = self.add_weight("gamma", (n,), _init.ones())
         self.beta = self.add_weight("beta", (n,), _init.zeros())

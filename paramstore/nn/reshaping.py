@@ -30,11 +30,13 @@ class Flatten(_Stateless):
     3 does); other dtypes are kept."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``x`` reshaped to ``(batch, -1)``."""
         x = autocast(jnp.asarray(x), self)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], -1) if x.ndim != 1 else x[:, None]
 
     def check_shape(self, *shapes: Shape | None) -> None:
+        """At least a batch axis."""
         shape = shapes[0]
         assert shape is not None
         if len(shape) == 0:
@@ -68,6 +70,7 @@ class Reshape(_Stateless):
         self.target_shape = dims
 
     def check_shape(self, *shapes: Shape | None) -> None:
+        """The input's size fits ``target_shape``."""
         shape = shapes[0]
         assert shape is not None
         if len(shape) == 0:
@@ -87,6 +90,7 @@ class Reshape(_Stateless):
             )
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``x`` reshaped to ``(batch, *target_shape)``."""
         x = autocast(jnp.asarray(x), self)
         self.ensure_built(tuple(x.shape))
         return x.reshape(x.shape[0], *self.target_shape)
@@ -111,5 +115,6 @@ class Activation(_Stateless):
         """Any shape."""
 
     def __call__(self, x: ValueLike) -> jax.Array:
+        """``fn(x)``."""
         x = autocast(jnp.asarray(x), self)
         return self.activation(x)

@@ -96,3 +96,16 @@ def test_display_without_treescope_falls_back(monkeypatch, capsys):
     assert "treescope is not installed" in out and "paramstore[display]" in out
     with pytest.raises(ImportError, match=r"needs the treescope package: pip install"):
         ps.display(v, require_treescope=True)
+
+
+def test_long_names_wrap_so_every_column_fits():
+    """Issue 27: notebook 07's Repeat table was wider than the page (Dtype, Params, Bytes cut
+    off): the name and attribute columns wrap."""
+    repeat = ps.nn.Repeat(lambda: ps.nn.Sequential([ps.nn.Dense(4), ps.nn.Dense(4)]), 2)
+    repeat(jnp.ones((1, 4)))
+    page = repeat._repr_html_()
+    cells = re.findall(r'<td style="([^"]*)">([^<]*)</td>', page)
+    names = [style for style, text in cells if "/kernel" in text]
+    assert names and all("overflow-wrap:anywhere" in style for style in names)
+    numbers = [style for style, text in cells if text.endswith(" B") or text.endswith("KiB")]
+    assert numbers and not any("overflow-wrap" in style for style in numbers)

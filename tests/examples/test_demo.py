@@ -12,7 +12,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("tqdm")
 
 import paramstore as ps  # noqa: E402
-from paramstore import demo  # noqa: E402
+from paramstore import cli, demo  # noqa: E402
 
 
 def _accuracy(out: str) -> float:
@@ -35,7 +35,18 @@ def test_short_run_reports_accuracy_and_saves(tmp_path, capsys):
     assert "optimizer/iterations" in names
     assert "model/layers/0/kernel" in names  # ps.Checkpoint paths
     assert int(ps.checkpoint.load_variable(out_dir / files[0], "optimizer/iterations")) == 30
-    assert f"saved 20 variables to {out_dir}" in out.out
+    # The model's 6 variables and the optimizer's 14: both counts said, and they add up.
+    assert "model: 6 variables, 17226 parameters" in out.out
+    assert "the optimizer's 14 variables" in out.out
+    assert f"saved 20 variables (model 6, optimizer 14) to {out_dir}" in out.out
+    assert len(names) == 20
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"paramstore {ps.__version__}"
 
 
 def test_same_seed_same_result_and_runs_twice_in_one_process(tmp_path, capsys):

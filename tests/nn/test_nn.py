@@ -137,7 +137,8 @@ def test_multi_head_attention_matches_keras(keras, masked):
         ("value", k._value_dense),
         ("attention_output", k._output_dense),
     ]:
-        kern, bias = layer.weights[f"{name}/kernel"], layer.weights[f"{name}/bias"]
+        by_name = {"/".join(v.name.split("/")[-2:]): v for v in layer.weights}
+        kern, bias = by_name[f"{name}/kernel"], by_name[f"{name}/bias"]
         assert tuple(sub.kernel.shape) == kern.shape and tuple(sub.bias.shape) == bias.shape
         bias.assign(rand(*bias.shape) * 0.1)
         sub.kernel.assign(kern.numpy())

@@ -199,6 +199,8 @@ class Repeat(Layer):
     def __call__(
         self, x: ValueLike, *args: Any, training: bool | None = None, **kwargs: Any
     ) -> jax.Array:
+        """Apply the ``n`` blocks in order to ``x`` (one ``lax.scan``), passing ``training``
+        to each."""
         if isinstance(x, Variable):
             x = x.value()
         x = autocast(jnp.asarray(x), self)

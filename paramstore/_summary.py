@@ -10,7 +10,8 @@ Contract:
   any of its submodules) gets a row that says "not built", and the table says how to build.
 * ``summary_html(...)`` is the same table as HTML (what Jupyter shows for a layer).
 
-This module imports only ``paramstore.variable``, so ``module.py`` may use it too.
+It sits in the modules layer (it imports only ``paramstore.variable`` and ``_core``), so
+``Module.summary`` prints it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""``ps.metrics``: Keras 3's stateful metrics, their state in non-trainable Variables.
+"""The base of every metric (``Metric``) and the means and sums the others are built on.
 
 Contract (docs/api.md, "Metrics"):
 
-* ``Mean``, ``Sum``, ``Accuracy``, ``BinaryAccuracy(threshold=0.5)``, ``CategoricalAccuracy``,
-  ``SparseCategoricalAccuracy``, ``MeanSquaredError``, ``MeanAbsoluteError``, each a
-  ``ps.Module`` with ``name=`` (default: Keras' name, ``"sparse_categorical_accuracy"``).
-* ``m.update_state(y_true, y_pred, sample_weight=None)`` (``Mean``/``Sum``:
-  ``update_state(values, sample_weight=None)``) adds a batch; ``m.result()`` is a
-  ``jax.Array``; ``m.reset_state()`` zeroes the state; ``m.variables`` are the float32
-  ``total`` (and ``count``), non-trainable. They update eagerly, inside a ``ps.function``
-  and inside a ``lax.scan`` body run by one, and save in a ``ps.Checkpoint``.
+* Each metric is a ``ps.Module`` with ``name=`` (default: Keras' name,
+  ``"sparse_categorical_accuracy"``), its state in non-trainable float32 Variables.
+* ``m.update_state(...)`` adds a batch; ``m.result()`` is a ``jax.Array``; ``m(...)`` does
+  both (as Keras' ``metric(y_true, y_pred)``); ``m.reset_state()`` zeroes the state.
+  They update eagerly, inside a ``ps.function`` and inside a ``lax.scan`` body run by one,
+  and save in a ``ps.Checkpoint``.
 * The arithmetic is Keras 3's (``reduce_to_samplewise_values``, ``MeanMetricWrapper``):
   per-element values are reduced to one per sample (mean over the axes the weight lacks),
   weighted, summed into ``total``; ``count`` adds the summed weights (or the sample count).
@@ -18,11 +16,11 @@ Contract (docs/api.md, "Metrics"):
   ``y_pred`` whose shapes do not match (after Keras' squeeze or expand of a trailing 1), or a
   ``sample_weight`` that does not broadcast against the samples, raise ``ValueError`` naming
   the metric and the shapes; nothing is updated.
-
-Losses are optax's; docs/metrics.md has the Keras-to-optax names.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,27 +30,17 @@ from paramstore.module import Module
 from paramstore.typing import ValueLike
 from paramstore.variable import Variable
 
-__all__ = [
-    "Metric",
-    "Mean",
-    "Sum",
-    "Accuracy",
-    "BinaryAccuracy",
-    "CategoricalAccuracy",
-    "SparseCategoricalAccuracy",
-    "MeanSquaredError",
-    "MeanAbsoluteError",
-]
+__all__ = ["Metric", "Mean", "Sum", "MeanOf", "same_rank", "zero"]
 
 Array = jax.Array
 
 
-def _zero(name: str) -> Variable:
+def zero(name: str) -> Variable:
     return Variable(jnp.zeros((), jnp.float32), trainable=False, name=name)
 
 
-def _same_rank(a: Array, b: Array) -> tuple[Array, Array]:
-    """Keras' ``squeeze_or_expand_to_same_rank``: drop or add a trailing axis of 1."""
+def same_rank(a: Array, b: Array) -> tuple[Array, Array]:
+    """Keras' ``squeeze_or_expand_tosame_rank``: drop or add a trailing axis of 1."""
     if a.ndim == b.ndim + 1 and a.shape[-1] == 1:
         return (a, b[..., None]) if b.ndim == 1 else (a[..., 0], b)
     if b.ndim == a.ndim + 1 and b.shape[-1] == 1:
@@ -66,6 +54,7 @@ class Metric(Module):
     total: Variable
 
     def describe(self) -> str:
+        """``"Mean 'loss'"``: how error messages name this metric."""
         return f"{type(self).__name__} '{self.scope_name}'"
 
     def reset_state(self) -> None:
@@ -75,8 +64,19 @@ class Metric(Module):
             for v, zero in zip(self.variables, zeros):
                 v.assign(zero, read_value=False)
 
-    def result(self) -> Array:
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
+        """Add a batch to the state (each metric's own arguments; see its docstring)."""
         raise NotImplementedError
+
+    def result(self) -> Array:
+        """The metric's value from the state so far (a ``jax.Array``)."""
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Array:
+        """``update_state(*args, **kwargs)``, then ``result()`` (as Keras' ``metric(y_true,
+        y_pred)``): eagerly and inside a ``ps.function``."""
+        self.update_state(*args, **kwargs)
+        return self.result()
 
     def __repr__(self) -> str:
         return f"<ps.metrics.{type(self).__name__} '{self.scope_name}'>"
@@ -90,7 +90,7 @@ class Metric(Module):
         weight = None
         if sample_weight is not None:
             weight = jnp.asarray(sample_weight, jnp.float32)
-            values, weight = _same_rank(values, weight)
+            values, weight = same_rank(values, weight)
             n = weight.ndim
             lead = values.shape[:n]
             if n > values.ndim or any(w not in (1, v) for w, v in zip(weight.shape, lead)):
@@ -115,13 +115,15 @@ class Sum(Metric):
     """The (weighted) sum of the values, as ``keras.metrics.Sum``: variable ``total``."""
 
     def __init__(self, name: str | None = None) -> None:
-        self.total = _zero("total")
+        self.total = zero("total")
 
     def update_state(self, values: ValueLike, sample_weight: ValueLike | None = None) -> None:
+        """Add the (weighted) sum of ``values`` to ``total``."""
         values, _ = self._samplewise(values, sample_weight, mean=False)
         self.total.assign_add(jnp.sum(values), read_value=False)
 
     def result(self) -> Array:
+        """The sum so far."""
         return self.total.value()
 
 
@@ -131,10 +133,11 @@ class Mean(Metric):
     count: Variable
 
     def __init__(self, name: str | None = None) -> None:
-        self.total = _zero("total")
-        self.count = _zero("count")
+        self.total = zero("total")
+        self.count = zero("count")
 
     def update_state(self, values: ValueLike, sample_weight: ValueLike | None = None) -> None:
+        """Add a batch of ``values`` (weighted by ``sample_weight``) to the mean."""
         self._add(values, sample_weight)
 
     def _add(self, values: ValueLike, sample_weight: ValueLike | None) -> None:
@@ -156,13 +159,14 @@ class Mean(Metric):
             self.count.assign_add(both[1], read_value=False)
 
     def result(self) -> Array:
+        """``total / count`` (0 before any update)."""
         total, count = self.total.value(), self.count.value()
         return jnp.where(
             count == 0, jnp.zeros((), total.dtype), total / jnp.where(count == 0, 1, count)
         )
 
 
-class _MeanOf(Mean):
+class MeanOf(Mean):
     """Keras' ``MeanMetricWrapper``: the mean of ``fn(y_true, y_pred)`` per sample."""
 
     def update_state(  # type: ignore[override]
@@ -180,91 +184,7 @@ class _MeanOf(Mean):
         )
 
     def _paired(self, y_true: Array, y_pred: Array) -> tuple[Array, Array]:
-        a, b = _same_rank(y_true, y_pred)
+        a, b = same_rank(y_true, y_pred)
         if a.shape != b.shape:
             raise self._mismatch(y_true, y_pred, "they need the same shape")
         return a, b
-
-
-class Accuracy(_MeanOf):
-    """How often ``y_pred`` equals ``y_true`` exactly, as ``keras.metrics.Accuracy``."""
-
-    def _values(self, y_true: Array, y_pred: Array) -> Array:
-        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
-        return (y_true == y_pred).astype(jnp.float32)
-
-
-class BinaryAccuracy(_MeanOf):
-    """How often ``y_pred > threshold`` equals the 0/1 ``y_true``, as
-    ``keras.metrics.BinaryAccuracy``."""
-
-    def __init__(self, name: str | None = None, threshold: float = 0.5) -> None:
-        super().__init__(name=name)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-            raise TypeError(f"BinaryAccuracy: threshold must be a number, got {threshold!r}.")
-        self.threshold = float(threshold)
-
-    def _values(self, y_true: Array, y_pred: Array) -> Array:
-        y_true, y_pred = self._paired(y_true, y_pred)
-        predicted = (y_pred > self.threshold).astype(y_true.dtype)
-        return (y_true == predicted).astype(jnp.float32)
-
-
-class CategoricalAccuracy(_MeanOf):
-    """How often ``argmax(y_pred)`` equals ``argmax(y_true)`` (one-hot labels), as
-    ``keras.metrics.CategoricalAccuracy``."""
-
-    def _values(self, y_true: Array, y_pred: Array) -> Array:
-        if y_true.shape != y_pred.shape or y_pred.ndim < 1:
-            raise self._mismatch(y_true, y_pred, "one-hot y_true needs y_pred's shape")
-        return (jnp.argmax(y_true, -1) == jnp.argmax(y_pred, -1)).astype(jnp.float32)
-
-
-class SparseCategoricalAccuracy(_MeanOf):
-    """How often ``argmax(y_pred)`` equals the integer ``y_true``, as
-    ``keras.metrics.SparseCategoricalAccuracy`` (``y_true`` of shape ``y_pred.shape[:-1]``,
-    or with a trailing axis of 1)."""
-
-    def _values(self, y_true: Array, y_pred: Array) -> Array:
-        labels = y_true
-        if y_true.ndim == y_pred.ndim and y_true.ndim >= 1 and y_true.shape[-1] == 1:
-            labels = y_true[..., 0]
-        if y_pred.ndim < 1 or labels.shape != y_pred.shape[:-1]:
-            raise self._mismatch(
-                y_true, y_pred, "y_true needs y_pred's shape without its last (class) axis"
-            )
-        predicted = jnp.argmax(y_pred, -1).astype(jnp.float32)
-        matches = (labels.astype(jnp.float32) == predicted).astype(jnp.float32)
-        return matches.reshape(y_true.shape)
-
-
-class _MeanError(_MeanOf):
-    """``mean(error(y_true - y_pred))`` over the last axis, then over samples (in float32 at
-    least), as Keras' ``MeanSquaredError`` / ``MeanAbsoluteError``."""
-
-    @staticmethod
-    def _error(diff: Array) -> Array:
-        raise NotImplementedError
-
-    def _values(self, y_true: Array, y_pred: Array) -> Array:
-        y_pred = y_pred.astype(jnp.result_type(y_pred.dtype, jnp.float32))
-        y_true, y_pred = self._paired(y_true.astype(y_pred.dtype), y_pred)
-        return jnp.mean(self._error(y_true - y_pred), axis=-1)
-
-
-class MeanSquaredError(_MeanError):
-    """``mean((y_true - y_pred) ** 2)`` over the last axis, then over samples, as
-    ``keras.metrics.MeanSquaredError``."""
-
-    @staticmethod
-    def _error(diff: Array) -> Array:
-        return jnp.square(diff)
-
-
-class MeanAbsoluteError(_MeanError):
-    """``mean(|y_true - y_pred|)`` over the last axis, then over samples, as
-    ``keras.metrics.MeanAbsoluteError``."""
-
-    @staticmethod
-    def _error(diff: Array) -> Array:
-        return jnp.abs(diff)
