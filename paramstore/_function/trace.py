@@ -136,8 +136,10 @@ def _lift(
     lifted = _lifted(closed.jaxpr, lift, moved)
     n_out = len(lift.outvars) - len(assigned)
     program = jex.core.ClosedJaxpr(lifted, lift.consts)
-    if frame.refs:  # variables promoted to refs in control flow: discharged here, with
-        program = pure_jaxpr(program)  # jax_api's while_loop rule, not by jax.jit
+    # Variables promoted to refs in control flow (by this frame or a ps.pure/gradient frame
+    # inside it): discharged here, with jax_api's while_loop rule, not by jax.jit.
+    if frame.refs or any(e.primitive.name == "new_ref" for e in lifted.eqns):
+        program = pure_jaxpr(program)
 
     # An output that is also a variable's new value or a donated input (`return
     # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
