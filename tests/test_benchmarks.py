@@ -55,8 +55,8 @@ def test_depth_benchmark_prints_the_targets():
         env={**os.environ, "PYTHONPATH": root},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "step at 4 layers, ps.nn.Repeat / reference" in done.stdout
-    assert "temp memory at 4 layers, remat=True / plain" in done.stdout
+    assert "step at 2 layers, ps.nn.Repeat / reference" in done.stdout
+    assert "temp memory at 2 layers, remat=True / plain" in done.stdout
 
 
 @pytest.mark.slow

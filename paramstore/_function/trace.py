@@ -11,14 +11,12 @@ docstring for the contract.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
-from jax.sharding import Sharding
 
 from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
@@ -26,15 +24,13 @@ from paramstore._core.jax_api import init_program, pure_jaxpr
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import in_host_memory
 from paramstore._function.entry import Entry
+from paramstore._function.shardings import Shardings, leaf_shardings
 from paramstore._function.static import merge
 from paramstore.module import Module
 from paramstore.variable import Variable, VariableSlice
 
 __all__ = ["Shardings", "is_ref", "trace_signature"]
 
-# in_shardings / out_shardings: one Sharding for every array, or a pytree prefix of the
-# positional arguments (of the result) with a Sharding or None (unspecified) at its leaves.
-Shardings = Sharding | None | tuple[Any, ...] | list[Any] | dict[str, Any]
 
 _HOST_CALLBACKS = ("callback",)  # debug_callback, io_callback, pure_callback
 
@@ -158,8 +154,10 @@ def _lift(
     lifted = _lifted(closed.jaxpr, lift, moved)
     n_out = len(lift.outvars) - len(assigned)
     program = jex.core.ClosedJaxpr(lifted, lift.consts)
-    if frame.refs:  # variables promoted to refs in control flow: discharged here, with
-        program = pure_jaxpr(program)  # jax_api's while_loop rule, not by jax.jit
+    # Variables promoted to refs in control flow (by this frame or a ps.pure/gradient frame
+    # inside it): discharged here, with jax_api's while_loop rule, not by jax.jit.
+    if frame.refs or any(e.primitive.name == "new_ref" for e in lifted.eqns):
+        program = pure_jaxpr(program)
 
     # An output that is also a variable's new value or a donated input (`return
     # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
@@ -180,8 +178,8 @@ def _lift(
         to_copy,
         assigned,
         donating,
-        _leaf_shardings(name, in_shardings, treedef, n_leaves, ref_pos, True),
-        _leaf_shardings(name, out_shardings, result["out_tree"], n_out, [], False),
+        leaf_shardings(name, in_shardings, treedef, n_leaves, ref_pos, True),
+        leaf_shardings(name, out_shardings, result["out_tree"], n_out, [], False),
     )
     return Entry(
         f"ps.function '{name}'",
@@ -315,49 +313,6 @@ def _runner(
         if has_keep or out_sh is not None
         else None,
     )
-
-
-def _leaf_shardings(
-    name: str, spec: Shardings, tree: Any, n: int, skip: list[int], args: bool
-) -> list[Any] | None:
-    """``spec`` (``in_shardings``: over the positional arguments; ``out_shardings``:
-    over the result) as one Sharding or None per flat leaf, leaves in ``skip``
-    (Variables/Modules passed as arguments) left out; None for no spec."""
-    if spec is None or tree is None:
-        return None
-    which = "in_shardings" if args else "out_shardings"
-    if isinstance(spec, Sharding):
-        per_leaf: list[Any] = [spec] * n
-    else:
-        example = jax.tree_util.tree_unflatten(tree, list(range(n)))
-        target = example[0] if args else example  # (args, kwargs) for arguments
-        per_leaf = [None] * n
-        is_spec = lambda x: x is None or isinstance(x, Sharding)  # noqa: E731
-        try:
-            pairs = jax.tree_util.tree_map(
-                lambda sh, sub: [(i, sh) for i in jax.tree_util.tree_leaves(sub)],
-                spec,
-                target,
-                is_leaf=is_spec,
-            )
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"{which} of ps.function '{name}' must be a Sharding, or a pytree "
-                "prefix of the "
-                + ("positional arguments" if args else "result")
-                + f" with a Sharding or None at each leaf: {e}"
-            ) from None
-        for i, sh in itertools.chain.from_iterable(
-            jax.tree_util.tree_leaves(pairs, is_leaf=lambda x: isinstance(x, list))
-        ):
-            if sh is not None and not isinstance(sh, Sharding):
-                raise TypeError(
-                    f"{which} of ps.function '{name}': expected a "
-                    f"jax.sharding.Sharding or None, got {type(sh).__name__}."
-                )
-            per_leaf[i] = sh
-    skipped = set(skip)
-    return [sh for i, sh in enumerate(per_leaf) if i not in skipped]
 
 
 def _has_host_callback(jaxpr: Any) -> bool:

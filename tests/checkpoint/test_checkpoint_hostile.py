@@ -19,6 +19,7 @@ from _bounded import BOUND, in_thread
 import paramstore as ps
 from paramstore import checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
+from paramstore.checkpoint.formats.safetensors import header as _header
 
 h5py = pytest.importorskip("h5py")
 
@@ -178,17 +179,18 @@ def test_a_device_is_refused():
 # ----------------------------------------------------------------- safetensors header
 
 
-def test_an_unverified_15_mib_header_is_refused_before_parsing(tmp_path):
+def test_an_unverified_15_mib_header_is_refused_before_parsing(tmp_path, monkeypatch):
     path = tmp_path / "big.safetensors"
     entry = b'"t%07d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
     n = 15 * 2**20 // len(entry % 0)
     body = b"{" + b"".join(entry % i for i in range(n))[:-1] + b"}"
     body += b" " * (-len(body) % 8)
     path.write_bytes(struct.pack("<Q", len(body)) + body)
-    start = time.perf_counter()
+    parsed = []  # a parse takes seconds (see the benchmark): counted, not timed
+    monkeypatch.setattr(_header, "parse_json", lambda *a: parsed.append(a))
     with pytest.raises(CheckpointError, match="no paramstore checksums"):
         checkpoint.list_variables(path)
-    assert time.perf_counter() - start < 2.0  # a parse takes seconds; see the benchmark
+    assert parsed == []
 
 
 def test_a_bad_list_shape_names_its_tensor(tmp_path):

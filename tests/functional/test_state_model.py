@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bounded import in_thread
 
 import paramstore as ps
 
@@ -509,8 +510,18 @@ def test_pure_under_jit_refuses_a_condition_reading_what_the_body_assigns():
     assert "'counter' is read in a jax.lax.while_loop condition and assigned" in message
     assert "Run the loop in a ps.function" in message
     assert int(c.numpy()) == 0
-    # the same loop in a ps.function runs; a condition that only reads runs under jit too
-    assert int(ps.function(count_to)(5)) == 5
+    # the same loop in a ps.function runs, also inside a ps.pure there; a condition that
+    # only reads runs under jit too
+    # (bounded: a condition that never sees the body's assigns loops forever)
+    outs = []
+    pure = ps.pure(count_to, [c])
+    assert in_thread(lambda: outs.append(int(ps.function(count_to)(5)))) is None
+    assert (
+        in_thread(lambda: outs.append(int(ps.function(lambda: pure(ps.state([c]), 8)[0])())))
+        is None
+    )
+    assert outs == [5, 8]
+    assert int(c.numpy()) == 5  # ps.pure returned its new state; the variable is unchanged
     limit = ps.Variable(3, name="limit")
     bounded = jax.jit(
         ps.pure(lambda: jax.lax.while_loop(lambda i: i < limit, lambda i: i + 1, 0), [limit])

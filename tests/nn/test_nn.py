@@ -121,6 +121,7 @@ def test_batch_normalization_matches_keras_in_both_modes(keras):
     np.testing.assert_allclose(layer(x, training=False), k(x, training=False), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.tf
 @pytest.mark.parametrize("masked", [False, True])
 def test_multi_head_attention_matches_keras(keras, masked):

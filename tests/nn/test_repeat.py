@@ -425,6 +425,7 @@ def test_layout_map_and_partitions_describe_one_block_the_stacked_axis_is_replic
     np.testing.assert_allclose(r2(x), ps.function(lambda x: r2(x))(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_extra_arguments_reach_every_block_eagerly_and_compiled():
     class Masked(ps.Module):
         def __init__(self, name=None):

@@ -218,6 +218,7 @@ def _two_repeats():
     )
 
 
+@pytest.mark.slow
 def test_initialize_gives_the_concrete_builds_values_and_a_call_matches():
     concrete, want = _concrete(_two_repeats)
     ps.random.set_seed(0)
