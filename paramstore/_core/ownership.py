@@ -234,19 +234,13 @@ class Ownership:
                 _EXHAUST(map(setattr, shared, repeat("_given"), ids))
 
     def update(
-        self,
-        var: Owned,
-        fresh: Callable[..., Any],
-        donating: Callable[..., Any],
-        d: Any,
-        warm: bool = True,
+        self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
     ) -> None:
         """An eager ``op(value, d)`` written back: donated when nobody was handed the value.
-        ``warm``: this kind of update (avals of the value and ``d``) ran before, so jit's C++
-        dispatch runs it (no Python code after the donation); else it is deferred."""
-        if not warm:
-            with deferred():
-                return self.update(var, fresh, donating, d)
+        This kind of update (avals of the value and ``d``) ran before (else ``update_cold``),
+        so jit's C++ dispatch runs it: no Python code runs after the donation."""
+        # `with`, not acquire/try/finally: a signal's handler runs right after each call
+        # returns, so an interrupt after acquire() or before release() would leak the lock.
         with self.lock:
             x = var._value
             self.version += 1
@@ -263,6 +257,14 @@ class Ownership:
                     raise
             else:
                 var._value = fresh(x, d)  # our own update's result: owned
+
+    def update_cold(
+        self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
+    ) -> None:
+        """``update`` of a new kind of update: jit may run Python code after the donation,
+        so interrupts are deferred."""
+        with deferred():
+            self.update(var, fresh, donating, d)
 
     def initial(self, var: Owned, value: Any) -> None:
         """``value`` becomes ``var``'s initial value when its trace completes."""
