@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from paramstore._core.context import STATE_LOCK
+
 BOUND = 120.0  # seconds for one sweep: anything longer is a hang
 
 
@@ -159,6 +161,7 @@ def sweep(
                     f"interrupt at event {k}/{total}: neither before nor after: {now}"
                 )
             seen["raised"] += raised
+            assert not STATE_LOCK._is_owned(), f"interrupt at point {k}: the state lock leaked"
             assert time.monotonic() - start < BOUND
         assert seen["raised"], "no interrupt was ever raised"
         assert seen["after"], "the uninterrupted run did not end at the after-values"

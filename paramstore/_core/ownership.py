@@ -234,20 +234,19 @@ class Ownership:
                 _EXHAUST(map(setattr, shared, repeat("_given"), ids))
 
     def update(
-        self,
-        var: Owned,
-        fresh: Callable[..., Any],
-        donating: Callable[..., Any],
-        d: Any,
-        warm: bool = True,
+        self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
     ) -> None:
         """An eager ``op(value, d)`` written back: donated when nobody was handed the value.
-        ``warm``: this kind of update (avals of the value and ``d``) ran before, so jit's C++
-        dispatch runs it (no Python code after the donation); else it is deferred."""
-        if not warm:
-            with deferred():
-                return self.update(var, fresh, donating, d)
-        with self.lock:
+        This kind of update (avals of the value and ``d``) ran before (else ``update_cold``),
+        so jit's C++ dispatch runs it: no Python code runs after the donation."""
+        # acquire/release rather than `with` (0.15 us less per eager update, 2026-11-23),
+        # the acquire inside the try: an interrupt right after it still releases. One
+        # call in the finally (a signal's handler runs after each call returns): an
+        # acquire that waited and was interrupted holds nothing, and the release then
+        # raises RuntimeError without changing the lock (ignored, the interrupt goes on).
+        lock = self.lock
+        try:
+            lock.acquire()
             x = var._value
             self.version += 1
             if self.cached is not None:
@@ -263,6 +262,19 @@ class Ownership:
                     raise
             else:
                 var._value = fresh(x, d)  # our own update's result: owned
+        finally:
+            try:
+                lock.release()
+            except RuntimeError:
+                pass
+
+    def update_cold(
+        self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
+    ) -> None:
+        """``update`` of a new kind of update: jit may run Python code after the donation,
+        so interrupts are deferred."""
+        with deferred():
+            self.update(var, fresh, donating, d)
 
     def initial(self, var: Owned, value: Any) -> None:
         """``value`` becomes ``var``'s initial value when its trace completes."""

@@ -103,7 +103,7 @@ class Writes(Reads):
         # dispatch, maybe after the donation, so its interrupts are deferred (issue 28).
         kind = (type(d), d.dtype, d.shape, getattr(d, "weak_type", 0), getattr(d, "committed", 0))
         warm = kind in self._warm
-        ownership.update(self, fresh, donating, d, warm=warm)
+        (ownership.update if warm else ownership.update_cold)(self, fresh, donating, d)
         if not warm:
             if len(self._warm) > 16:  # deltas of ever new shapes: keep it small
                 self._warm.clear()
