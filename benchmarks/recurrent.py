@@ -107,13 +107,9 @@ def hand_forward(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return h @ p["dense_kernel"] + p["dense_bias"]
 
 
-def hand_step(units: int, features: int) -> tuple[Any, list[Any]]:
-    """(step, state) in pure JAX: ``state = [params, opt_state]``, updated in place."""
-    tx = optax.adam(1e-3)
-    params = hand_params(units, features)
-    state = [params, tx.init(params)]
+def hand_update(tx: optax.GradientTransformation) -> Any:
+    """The pure-JAX training step ``(params, opt_state, x, y) -> (params, opt_state, loss)``."""
 
-    @jax.jit
     def update(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> Any:
         def loss_fn(p: Any) -> jax.Array:
             return optax.softmax_cross_entropy_with_integer_labels(hand_forward(p, x), y).mean()
@@ -122,7 +118,16 @@ def hand_step(units: int, features: int) -> tuple[Any, list[Any]]:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    update = jax.jit(update.__wrapped__, donate_argnums=(0, 1))  # type: ignore[attr-defined]
+    return update
+
+
+def hand_step(units: int, features: int) -> tuple[Any, list[Any]]:
+    """(step, state) in pure JAX: ``state = [params, opt_state]``, updated in place."""
+    tx = optax.adam(1e-3)
+    params = hand_params(units, features)
+    state = [params, tx.init(params)]
+
+    update = jax.jit(hand_update(tx), donate_argnums=(0, 1))
 
     def step(x: jax.Array, y: jax.Array) -> jax.Array:
         state[0], state[1], loss = update(state[0], state[1], x, y)
@@ -149,13 +154,7 @@ def first_call(units: int, batch: int, seq: int, features: int) -> dict[str, flo
     tx = optax.adam(1e-3)
     params = hand_params(units, features)
 
-    def update(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> Any:
-        def loss_fn(p: Any) -> jax.Array:
-            return optax.softmax_cross_entropy_with_integer_labels(hand_forward(p, x), y).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    update = hand_update(tx)
 
     start = time.perf_counter()
     jax.jit(update).lower(params, tx.init(params), x, y).compile()
@@ -166,6 +165,26 @@ def first_call(units: int, batch: int, seq: int, features: int) -> dict[str, flo
         "first_call_ps": call_ps,
         "steady_ps": steady,
     }
+
+
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", float("nan")))
+
+
+def compiled_flops(units: int, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """The FLOPs XLA counts in each compiled step (the same program should count the same)."""
+    with ps.VariableStore():
+        step, _ = ps_step(units, x)
+        ours = _flops(step.lower(x, y).compile())
+    tx = optax.adam(1e-3)
+    params = hand_params(units, x.shape[-1])
+
+    update = hand_update(tx)
+
+    theirs = _flops(jax.jit(update).lower(params, tx.init(params), x, y).compile())
+    return ours, theirs
 
 
 KERAS_CHILD = """
@@ -245,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, t in rows:
         print(f"{name:58s} {t * 1e3:9.3f} {t / hand_time:7.2f}")
     print(f"step, ps.function / pure JAX: {ps_time / hand_time:.3f} (target <= 1.05)")
+    flops_ps, flops_hand = compiled_flops(args.units, x, y)
+    print(
+        f"compiled step FLOPs (XLA cost analysis, deterministic): ps.function {flops_ps:.4g}, "
+        f"pure JAX {flops_hand:.4g}, ratio {flops_ps / flops_hand:.3f}"
+    )
 
     short = first_call(args.units, args.batch, args.seq, features)
     long = first_call(args.units, args.batch, args.long_seq, features)
