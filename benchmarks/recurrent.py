@@ -59,6 +59,22 @@ def median_step(step: Any, args: tuple[Any, ...], calls: int, repeats: int) -> f
     return statistics.median(times)
 
 
+def interleaved(steps: list[Any], args: tuple[Any, ...], calls: int, repeats: int) -> list[float]:
+    """Median step time of each of ``steps``, measured in alternation (round ``r`` times every
+    step once), so a load change on a shared machine hits them alike."""
+    for step in steps:
+        jax.block_until_ready(step(*args))
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for step, out in zip(steps, times):
+            start = time.perf_counter()
+            for _ in range(calls):
+                result = step(*args)
+            jax.block_until_ready(result)
+            out.append((time.perf_counter() - start) / calls)
+    return [statistics.median(t) for t in times]
+
+
 def ps_step(units: int, x: np.ndarray) -> tuple[Any, Any]:
     """(step, model) with ``ps.nn`` layers and ``ps.function``."""
     model = ps.nn.Sequential([ps.nn.LSTM(units), ps.nn.Dense(CLASSES)])
@@ -243,9 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with ps.VariableStore():
         step, _ = ps_step(args.units, x)
-        ps_time = median_step(step, (x, y), args.calls, args.repeats)
-    hand, _ = hand_step(args.units, features)
-    hand_time = median_step(hand, (x, y), args.calls, args.repeats)
+        hand, _ = hand_step(args.units, features)
+        ps_time, hand_time = interleaved([step, hand], (x, y), args.calls, args.repeats)
     rows = [
         ("pure JAX: lax.scan cell, jax.jit, donated [reference]", hand_time),
         ("ps.function: ps.nn.LSTM + Dense, ps.Optimizer", ps_time),
@@ -258,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"LSTM({args.units}) + Dense({CLASSES}) training step, batch {args.batch}, "
-        f"seq {args.seq}, {features} features; median of {args.repeats} x {args.calls} steps"
+        f"seq {args.seq}, {features} features; median of {args.repeats} x {args.calls} steps, "
+        "the two steps measured in alternation"
     )
     print(f"{'variant':58s} {'ms/step':>9s} {'ratio':>7s}")
     for name, t in rows:
