@@ -59,6 +59,22 @@ def median_step(step: Any, args: tuple[Any, ...], calls: int, repeats: int) -> f
     return statistics.median(times)
 
 
+def interleaved(steps: list[Any], args: tuple[Any, ...], calls: int, repeats: int) -> list[float]:
+    """Median step time of each of ``steps``, measured in alternation (round ``r`` times every
+    step once), so a load change on a shared machine hits them alike."""
+    for step in steps:
+        jax.block_until_ready(step(*args))
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for step, out in zip(steps, times):
+            start = time.perf_counter()
+            for _ in range(calls):
+                result = step(*args)
+            jax.block_until_ready(result)
+            out.append((time.perf_counter() - start) / calls)
+    return [statistics.median(t) for t in times]
+
+
 def ps_step(units: int, x: np.ndarray) -> tuple[Any, Any]:
     """(step, model) with ``ps.nn`` layers and ``ps.function``."""
     model = ps.nn.Sequential([ps.nn.LSTM(units), ps.nn.Dense(CLASSES)])
@@ -107,13 +123,9 @@ def hand_forward(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return h @ p["dense_kernel"] + p["dense_bias"]
 
 
-def hand_step(units: int, features: int) -> tuple[Any, list[Any]]:
-    """(step, state) in pure JAX: ``state = [params, opt_state]``, updated in place."""
-    tx = optax.adam(1e-3)
-    params = hand_params(units, features)
-    state = [params, tx.init(params)]
+def hand_update(tx: optax.GradientTransformation) -> Any:
+    """The pure-JAX training step ``(params, opt_state, x, y) -> (params, opt_state, loss)``."""
 
-    @jax.jit
     def update(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> Any:
         def loss_fn(p: Any) -> jax.Array:
             return optax.softmax_cross_entropy_with_integer_labels(hand_forward(p, x), y).mean()
@@ -122,7 +134,16 @@ def hand_step(units: int, features: int) -> tuple[Any, list[Any]]:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    update = jax.jit(update.__wrapped__, donate_argnums=(0, 1))  # type: ignore[attr-defined]
+    return update
+
+
+def hand_step(units: int, features: int) -> tuple[Any, list[Any]]:
+    """(step, state) in pure JAX: ``state = [params, opt_state]``, updated in place."""
+    tx = optax.adam(1e-3)
+    params = hand_params(units, features)
+    state = [params, tx.init(params)]
+
+    update = jax.jit(hand_update(tx), donate_argnums=(0, 1))
 
     def step(x: jax.Array, y: jax.Array) -> jax.Array:
         state[0], state[1], loss = update(state[0], state[1], x, y)
@@ -149,13 +170,7 @@ def first_call(units: int, batch: int, seq: int, features: int) -> dict[str, flo
     tx = optax.adam(1e-3)
     params = hand_params(units, features)
 
-    def update(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> Any:
-        def loss_fn(p: Any) -> jax.Array:
-            return optax.softmax_cross_entropy_with_integer_labels(hand_forward(p, x), y).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    update = hand_update(tx)
 
     start = time.perf_counter()
     jax.jit(update).lower(params, tx.init(params), x, y).compile()
@@ -166,6 +181,26 @@ def first_call(units: int, batch: int, seq: int, features: int) -> dict[str, flo
         "first_call_ps": call_ps,
         "steady_ps": steady,
     }
+
+
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", float("nan")))
+
+
+def compiled_flops(units: int, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """The FLOPs XLA counts in each compiled step (the same program should count the same)."""
+    with ps.VariableStore():
+        step, _ = ps_step(units, x)
+        ours = _flops(step.lower(x, y).compile())
+    tx = optax.adam(1e-3)
+    params = hand_params(units, x.shape[-1])
+
+    update = hand_update(tx)
+
+    theirs = _flops(jax.jit(update).lower(params, tx.init(params), x, y).compile())
+    return ours, theirs
 
 
 KERAS_CHILD = """
@@ -224,9 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with ps.VariableStore():
         step, _ = ps_step(args.units, x)
-        ps_time = median_step(step, (x, y), args.calls, args.repeats)
-    hand, _ = hand_step(args.units, features)
-    hand_time = median_step(hand, (x, y), args.calls, args.repeats)
+        hand, _ = hand_step(args.units, features)
+        ps_time, hand_time = interleaved([step, hand], (x, y), args.calls, args.repeats)
     rows = [
         ("pure JAX: lax.scan cell, jax.jit, donated [reference]", hand_time),
         ("ps.function: ps.nn.LSTM + Dense, ps.Optimizer", ps_time),
@@ -239,12 +273,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"LSTM({args.units}) + Dense({CLASSES}) training step, batch {args.batch}, "
-        f"seq {args.seq}, {features} features; median of {args.repeats} x {args.calls} steps"
+        f"seq {args.seq}, {features} features; median of {args.repeats} x {args.calls} steps, "
+        "the two steps measured in alternation"
     )
     print(f"{'variant':58s} {'ms/step':>9s} {'ratio':>7s}")
     for name, t in rows:
         print(f"{name:58s} {t * 1e3:9.3f} {t / hand_time:7.2f}")
     print(f"step, ps.function / pure JAX: {ps_time / hand_time:.3f} (target <= 1.05)")
+    flops_ps, flops_hand = compiled_flops(args.units, x, y)
+    print(
+        f"compiled step FLOPs (XLA cost analysis, deterministic): ps.function {flops_ps:.4g}, "
+        f"pure JAX {flops_hand:.4g}, ratio {flops_ps / flops_hand:.3f}"
+    )
 
     short = first_call(args.units, args.batch, args.seq, features)
     long = first_call(args.units, args.batch, args.long_seq, features)

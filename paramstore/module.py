@@ -86,6 +86,32 @@ def _describe(module: Module) -> str:
     return f"{type(module).__name__} '{module.scope_name}'"
 
 
+def _ordered(module: Module) -> list[Variable]:
+    """The variables in ``weights`` order, whatever an instance attribute named ``weights``
+    holds (a class may override ``weights`` with a property: MultiHeadAttention does)."""
+    for klass in type(module).__mro__:
+        attr = klass.__dict__.get("weights")
+        if isinstance(attr, property) and attr.fget is not None:
+            return list(attr.fget(module))
+        if attr is not None:
+            break
+    out: list[Variable] = []
+    _keras_weights(module, {id(module)}, out)
+    return out
+
+
+class _KerasWeights:
+    """``Module.weights``: a non-data descriptor, so an attribute a subclass sets under that
+    name (``self.weights = {...}``, as code written before it existed may) shadows it."""
+
+    def __get__(self, module: Module | None, owner: type | None = None) -> Any:
+        if module is None:
+            return self
+        out: list[Variable] = []
+        _keras_weights(module, {id(module)}, out)
+        return out
+
+
 def _keras_weights(module: Module, seen: set[int], out: list[Variable]) -> None:
     """Append ``module``'s variables to ``out`` in Keras' order (see ``Module.weights``):
     its own variables, then each sub-module's whole, attributes in assignment order."""
@@ -249,31 +275,28 @@ class Module(Node):
 
     # ---------------------------------------------------------------- Keras' weights API
 
-    @property
-    def weights(self) -> list[Variable]:
-        """Every Variable, in Keras' order (a layer's own variables as Keras creates them,
-        ``kernel`` before ``bias``; then its sub-layers, each whole, in attribute order,
-        a ``Sequential``'s in list order), so ``keras_layer.set_weights(layer.get_weights())``
-        lines up. The same set as ``variables``, ordered differently."""
-        out: list[Variable] = []
-        _keras_weights(self, {id(self)}, out)
-        return out
+    weights = _KerasWeights()
+    """Every Variable, in Keras' order (a layer's own variables as Keras creates them,
+    ``kernel`` before ``bias``; then its sub-layers, each whole, in attribute order, a
+    ``Sequential``'s in list order), so ``keras_layer.set_weights(layer.get_weights())``
+    lines up. The same set as ``variables``, ordered differently. (A subclass's own
+    attribute named ``weights`` takes precedence, as it did before Module had one.)"""
 
     @property
     def trainable_weights(self) -> list[Variable]:
         """``trainable_variables`` (Keras' name), in ``weights`` order."""
         keep = {id(v) for v in self.trainable_variables}
-        return [v for v in self.weights if id(v) in keep]
+        return [v for v in _ordered(self) if id(v) in keep]
 
     @property
     def non_trainable_weights(self) -> list[Variable]:
         """``non_trainable_variables`` (Keras' name), in ``weights`` order."""
         keep = {id(v) for v in self.trainable_variables}
-        return [v for v in self.weights if id(v) not in keep]
+        return [v for v in _ordered(self) if id(v) not in keep]
 
     def get_weights(self) -> list[np.ndarray]:
         """The values of ``weights`` as NumPy copies, in that order (as Keras)."""
-        return [v.numpy() for v in self.weights]
+        return [v.numpy() for v in _ordered(self)]
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Assign ``weights`` (arrays in ``weights`` order, as ``get_weights`` returns them).
@@ -283,7 +306,7 @@ class Module(Node):
         width (cast, as Keras does: ``np.random.rand`` gives float64), an integer or bool
         into an integer or floating one; anything else (a float into an int variable, a
         complex into a float) raises TypeError naming the layer and the index."""
-        own = self.weights
+        own = _ordered(self)
         who = _describe(self)
         values = list(weights)
         if len(values) != len(own):
@@ -313,7 +336,7 @@ class Module(Node):
 
     def count_params(self) -> int:
         """The number of scalars in ``weights`` (Keras' ``count_params``)."""
-        return sum(int(v.size) for v in self.weights)
+        return sum(int(v.size) for v in _ordered(self))
 
     def summary(self) -> None:
         """Print ``ps.summary(self)``, the table of the variables (as Keras'

@@ -129,7 +129,7 @@ def test_the_walk_sees_the_public_api():
         "paramstore._variable.write.Writes.assign",
         "paramstore.variable.Variable.__init__",
         "paramstore.nn.core.Dense.__call__",
-        "paramstore.metrics.Mean.update_state",
+        "paramstore.metrics.base.Mean.update_state",
         "paramstore.initializers.resolve",
         "paramstore.sharding.reshard",
         "paramstore.random.Generator.normal",

@@ -227,7 +227,7 @@ class Checkpoint:
         ckpt.restore(path).assert_consumed()
     """
 
-    def __init__(self, *args: Any, sharded: bool | None = None, **objects: Trackable) -> None:
+    def __init__(self, *args: object, sharded: bool | None = None, **objects: Trackable) -> None:
         if args:
             kinds = ", ".join(type(a).__name__ for a in args)
             raise TypeError(

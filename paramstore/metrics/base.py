@@ -20,7 +20,7 @@ Contract (docs/api.md, "Metrics"):
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,18 +64,16 @@ class Metric(Module):
             for v, zero in zip(self.variables, zeros):
                 v.assign(zero, read_value=False)
 
-    def update_state(self, *args: Any, **kwargs: Any) -> None:
-        """Add a batch to the state (each metric's own arguments; see its docstring)."""
-        raise NotImplementedError
-
     def result(self) -> Array:
         """The metric's value from the state so far (a ``jax.Array``)."""
         raise NotImplementedError
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Array:
-        """``update_state(*args, **kwargs)``, then ``result()`` (as Keras' ``metric(y_true,
-        y_pred)``): eagerly and inside a ``ps.function``."""
-        self.update_state(*args, **kwargs)
+    def __call__(self, *args: ValueLike, **kwargs: ValueLike | None) -> Array:
+        """``update_state(*args, **kwargs)`` (each metric's own arguments: ``y_true, y_pred,
+        sample_weight=None``, or ``values`` for ``Mean``/``Sum``), then ``result()``, as Keras'
+        ``metric(y_true, y_pred)``: eagerly and inside a ``ps.function``."""
+        update: Callable[..., None] = getattr(self, "update_state")  # noqa: B009
+        update(*args, **kwargs)
         return self.result()
 
     def __repr__(self) -> str:

@@ -60,8 +60,8 @@ class _RNN(Layer):
     """What LSTM and GRU share: arguments, checks, variables and the scan."""
 
     variable_names = ("kernel", "recurrent_kernel", "bias")
-    gates: ClassVar[int] = 4
-    n_states: ClassVar[int] = 1
+    _gates: ClassVar[int] = 4
+    _n_states: ClassVar[int] = 1
     kernel: Variable
     recurrent_kernel: Variable
     bias: Variable | None
@@ -126,7 +126,7 @@ class _RNN(Layer):
             )
 
     def _bias_shape(self) -> tuple[int, ...]:
-        return (self.gates * self.units,)
+        return (self._gates * self.units,)
 
     def _bias_value(self, shape: tuple[int, ...]) -> Array:
         return jnp.asarray(self._bias_init(shape))
@@ -134,7 +134,7 @@ class _RNN(Layer):
     def build(self, input_shape: Shape) -> None:
         """Create ``kernel``, ``recurrent_kernel`` and ``bias`` for inputs of
         ``input_shape``."""
-        n_in, units, n = features(self, input_shape), self.units, self.gates * self.units
+        n_in, units, n = features(self, input_shape), self.units, self._gates * self.units
         k_init, r_init = self._kernel_init, self._recurrent_init
         self.kernel = Variable(lambda: k_init((n_in, n)), name="kernel")
         self.recurrent_kernel = Variable(lambda: r_init((units, n)), name="recurrent_kernel")
@@ -170,12 +170,12 @@ class _RNN(Layer):
     def _initial(self, x: Array, initial_state: Sequence[ValueLike] | None) -> tuple[Array, ...]:
         shape = (x.shape[0], self.units)
         if initial_state is None:
-            return tuple(jnp.zeros(shape, x.dtype) for _ in range(self.n_states))
+            return tuple(jnp.zeros(shape, x.dtype) for _ in range(self._n_states))
         states = [initial_state] if not isinstance(initial_state, (list, tuple)) else initial_state
         arrays = tuple(jnp.asarray(s, x.dtype) for s in states)
-        if len(arrays) != self.n_states or any(a.shape != shape for a in arrays):
+        if len(arrays) != self._n_states or any(a.shape != shape for a in arrays):
             raise ValueError(
-                f"{self.describe()}: initial_state must be {self.n_states} array(s) of shape "
+                f"{self.describe()}: initial_state must be {self._n_states} array(s) of shape "
                 f"{shape} (batch, units), got shapes {[tuple(a.shape) for a in arrays]}."
             )
         return arrays
@@ -210,8 +210,8 @@ class LSTM(_RNN):
     ``i, f, c, o``, defaults and results; see the module docstring). ``unit_forget_bias``
     (default True) starts the forget gate's bias at one."""
 
-    gates = 4
-    n_states = 2
+    _gates = 4
+    _n_states = 2
 
     def __init__(
         self,
@@ -273,8 +273,8 @@ class GRU(_RNN):
     recurrent projection and ``bias`` is ``(2, 3 * units)`` (input and recurrent biases);
     with False it multiplies the state before it and ``bias`` is ``(3 * units,)``."""
 
-    gates = 3
-    n_states = 1
+    _gates = 3
+    _n_states = 1
 
     def __init__(
         self,

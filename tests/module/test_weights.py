@@ -166,3 +166,18 @@ def test_sequential_compute_output_shape():
     assert model.compute_output_shape((2, 10, 10, 3)) == (2, 5)
     seq = ps.nn.Sequential([ps.nn.LSTM(3, return_sequences=True), ps.nn.GRU(2)])
     assert seq.compute_output_shape((None, 7, 4)) == (None, 2)
+
+
+def test_a_subclass_attribute_named_weights_still_works():
+    """Code written before Module had .weights may hold its own attribute of that name."""
+
+    class Old(ps.Module):
+        def __init__(self):
+            self.weights = {"w": ps.Variable(jnp.ones(2), name="w")}
+
+    old = Old()
+    assert isinstance(old.weights, dict) and old.weights["w"].shape == (2,)
+    assert [v.name for v in old.trainable_weights] == ["old/w"]
+    old.set_weights([np.zeros(2)])
+    np.testing.assert_array_equal(old.get_weights()[0], np.zeros(2))
+    assert old.count_params() == 2
