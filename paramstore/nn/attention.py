@@ -58,13 +58,7 @@ class MultiHeadAttention(Layer):
         bias_constraint: ConstraintLike | None = None,
     ) -> None:
         super().__init__(name=name)
-        set_hooks(
-            self,
-            kernel_regularizer=kernel_regularizer,
-            bias_regularizer=bias_regularizer,
-            kernel_constraint=kernel_constraint,
-            bias_constraint=bias_constraint,
-        )
+        set_hooks(self, locals())
 
         self._partitions = {
             "": (kernel_partition, bias_partition),
