@@ -64,7 +64,6 @@ __all__ = [
     "keras_name",
     "resolve_activation",
     "set_hooks",
-    "traced_training",
 ]
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -154,24 +153,17 @@ def initializer(init: LayerInitializer, default: Initializer, layer: str, what: 
     return cast(Initializer, init)
 
 
-def traced_training(training: Any) -> jax.Array | None:
-    """``training`` given as a boolean array scalar (a ``ps.function`` argument, traced) as a
-    bool array, for layers that choose with ``jnp.where``; None for a Python bool or None."""
-    if training is None or isinstance(training, (bool, np.bool_)):
-        return None
-    if isinstance(training, jax.Array) and training.shape == () and training.dtype == bool:
-        return training
-    return None
-
-
-def set_hooks(layer: Layer, **given: Any) -> None:
-    """Resolve a layer's ``<weight>_regularizer=`` / ``<weight>_constraint=`` arguments (an
-    object, a Keras name, a callable or None) and keep them as attributes of the same name
-    (as Keras' ``layer.kernel_regularizer``); a bad one raises naming the layer and argument."""
+def set_hooks(layer: Layer, arguments: dict[str, Any]) -> None:
+    """Resolve a layer's ``<weight>_regularizer=`` / ``<weight>_constraint=`` arguments
+    (those of ``arguments``, its ``__init__``'s ``locals()``: an object, a Keras name, a
+    callable or None) and keep them as attributes of the same name (as Keras'
+    ``layer.kernel_regularizer``); a bad one raises naming the layer and the argument."""
     kind = type(layer).__name__
-    for arg, value in given.items():
-        get = _regularizers.get if arg.endswith("_regularizer") else _constraints.get
-        setattr(layer, arg, get(value, f"{kind}: {arg}"))
+    for arg, value in arguments.items():
+        if arg.endswith("_regularizer"):
+            setattr(layer, arg, _regularizers.get(value, f"{kind}: {arg}"))
+        elif arg.endswith("_constraint"):
+            setattr(layer, arg, _constraints.get(value, f"{kind}: {arg}"))
 
 
 def hooks(layer: Layer, weight: str) -> dict[str, Any]:

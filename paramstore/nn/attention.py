@@ -59,13 +59,7 @@ class MultiHeadAttention(Layer):
         dtype: PolicyLike = None,
     ) -> None:
         super().__init__(name=name, dtype=dtype)
-        set_hooks(
-            self,
-            kernel_regularizer=kernel_regularizer,
-            bias_regularizer=bias_regularizer,
-            kernel_constraint=kernel_constraint,
-            bias_constraint=bias_constraint,
-        )
+        set_hooks(self, locals())
 
         self._partitions = {
             "": (kernel_partition, bias_partition),

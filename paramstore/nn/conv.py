@@ -136,13 +136,7 @@ class _Conv(Layer):
     ) -> None:
         kind = type(self).__name__
         super().__init__(name=name or keras_name(kind), dtype=dtype)
-        set_hooks(
-            self,
-            kernel_regularizer=kernel_regularizer,
-            bias_regularizer=bias_regularizer,
-            kernel_constraint=kernel_constraint,
-            bias_constraint=bias_constraint,
-        )
+        set_hooks(self, locals())
 
         if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
             raise ValueError(f"{kind}: filters must be a positive int, got {filters!r}.")

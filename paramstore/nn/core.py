@@ -74,13 +74,7 @@ class Dense(LoRALayer):
     ) -> None:
         super().__init__(name=name, dtype=dtype)
         self._partitions = (kernel_partition, bias_partition)
-        set_hooks(
-            self,
-            kernel_regularizer=kernel_regularizer,
-            bias_regularizer=bias_regularizer,
-            kernel_constraint=kernel_constraint,
-            bias_constraint=bias_constraint,
-        )
+        set_hooks(self, locals())
 
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"Dense: units must be a positive int, got {units!r}.")
@@ -154,11 +148,7 @@ class Embedding(LoRALayer):
     ) -> None:
         super().__init__(name=name, dtype=dtype)
         self._partition = embeddings_partition
-        set_hooks(
-            self,
-            embeddings_regularizer=embeddings_regularizer,
-            embeddings_constraint=embeddings_constraint,
-        )
+        set_hooks(self, locals())
         for what, n in (("input_dim", input_dim), ("output_dim", output_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"Embedding: {what} must be a positive int, got {n!r}.")
