@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from depth import BATCH, EPS, HEADS, LR, TOKENS, Block, D, init_layer
+from depth import BATCH, EPS, HEADS, LR, TOKENS, Block, D, init_layer, step_times
 
 import paramstore as ps
 
@@ -194,12 +194,7 @@ def main() -> None:
         jax.block_until_ready(step())
         rows[name] = {"first": time.perf_counter() - t0, "temp": temp() / 2**20}
         steps[name] = step
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(count):
-        for name, step in steps.items():
-            t = time.perf_counter()
-            jax.block_until_ready(step())
-            times[name].append((time.perf_counter() - t) * 1e3)
+    times = step_times(steps, count)
     print("| variant | first call s | step ms (median) | step ms (min) | temp MiB |")
     print("|---|---:|---:|---:|---:|")
     for name, r in rows.items():
