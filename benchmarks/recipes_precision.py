@@ -178,9 +178,9 @@ def main() -> None:
     parser.add_argument(
         "--memory-batch", type=int, default=128, help="batch of the memory-only rows (0: none)"
     )
-    parser.add_argument("--quick", action="store_true", help="2 blocks, 3 steps, batch 16")
+    parser.add_argument("--quick", action="store_true", help="1 block, 3 steps; memory rows at batch 16")
     args = parser.parse_args()
-    n, count = (2, 3) if args.quick else (args.blocks, args.steps)
+    n, count = (1, 3) if args.quick else (args.blocks, args.steps)
     print(
         f"# recipes_precision.py {datetime.date.today()} {platform.machine()} "
         f"{jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}, "
