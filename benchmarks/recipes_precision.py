@@ -22,7 +22,8 @@ variants taking turns step by step:
   scaling written with optax and ``jnp.where``.
 
 Columns: first call (build + trace + compile + one step, s), median and minimum step time
-(ms), and the compiled step's temporary memory (``compiled.memory_analysis()``, MiB). Then
+(ms), the compiled step's temporary memory (``compiled.memory_analysis()``, MiB) and
+flops (``cost_analysis()``). Then
 the targets: ps mixed / hand bf16 step (<= 1.05x), ps mixed / ps float32 temporary memory
 (<= 0.6x), ps LossScaleOptimizer / hand loss scaling step (<= 1.05x).
 """
@@ -42,12 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from depth import BATCH, EPS, HEADS, LR, TOKENS, Block, D, init_layer
+from depth import BATCH, EPS, HEADS, LR, TOKENS, Block, D, init_layer, step_times
 
 import paramstore as ps
 
 BF16 = jnp.bfloat16
-Built = tuple[Callable[[], jax.Array], Callable[[], int]]
+Built = tuple[Callable[[], jax.Array], Callable[[], Any]]  # (step, compiled step)
 SIZE = {"batch": BATCH}  # --memory-batch changes it for the memory-only rows
 
 
@@ -86,12 +87,12 @@ def _ps_variant(n: int, policy: str, loss_scale: bool = False) -> Built:
             holder["opt"] = ps.LossScaleOptimizer(opt) if loss_scale else opt
         return update()
 
-    def temp_memory() -> int:
+    def compiled() -> Any:
+        """The same step compiled as a pure function of the state."""
         variables = [*model.variables, *holder["opt"].variables]
-        compiled = jax.jit(ps.pure(update, variables)).lower(ps.state(variables)).compile()
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        return jax.jit(ps.pure(update, variables)).lower(ps.state(variables)).compile()
 
-    return step, temp_memory
+    return step, compiled
 
 
 # ------------------------------------------------------------------ hand-written JAX
@@ -155,11 +156,10 @@ def _jax_variant(n: int, loss_scale: bool = False, growth: int = 2000) -> Built:
         state[:] = new
         return loss
 
-    def temp_memory() -> int:
-        compiled = jax.jit(_step).lower(*state).compile()
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+    def compiled() -> Any:
+        return jax.jit(_step).lower(*state).compile()
 
-    return step, temp_memory
+    return step, compiled
 
 
 VARIANTS: dict[str, Callable[[int], Built]] = {
@@ -178,9 +178,11 @@ def main() -> None:
     parser.add_argument(
         "--memory-batch", type=int, default=128, help="batch of the memory-only rows (0: none)"
     )
-    parser.add_argument("--quick", action="store_true", help="2 blocks, 3 steps, batch 16")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 block, 3 steps; memory rows at batch 16"
+    )
     args = parser.parse_args()
-    n, count = (2, 3) if args.quick else (args.blocks, args.steps)
+    n, count = (1, 3) if args.quick else (args.blocks, args.steps)
     print(
         f"# recipes_precision.py {datetime.date.today()} {platform.machine()} "
         f"{jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}, "
@@ -190,21 +192,25 @@ def main() -> None:
     rows: dict[str, dict[str, float]] = {}
     for name, make in VARIANTS.items():
         t0 = time.perf_counter()
-        step, temp = make(n)
+        step, compile_step = make(n)
         jax.block_until_ready(step())
-        rows[name] = {"first": time.perf_counter() - t0, "temp": temp() / 2**20}
+        first = time.perf_counter() - t0
+        program = compile_step()
+        rows[name] = {
+            "first": first,
+            "temp": program.memory_analysis().temp_size_in_bytes / 2**20,
+            "flops": float(program.cost_analysis()["flops"]),
+        }
         steps[name] = step
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(count):
-        for name, step in steps.items():
-            t = time.perf_counter()
-            jax.block_until_ready(step())
-            times[name].append((time.perf_counter() - t) * 1e3)
-    print("| variant | first call s | step ms (median) | step ms (min) | temp MiB |")
-    print("|---|---:|---:|---:|---:|")
+    times = step_times(steps, count)
+    print("| variant | first call s | step ms (median) | step ms (min) | temp MiB | flops |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         r["step"], r["min"] = statistics.median(times[name]), min(times[name])
-        print(f"| {name} | {r['first']:.2f} | {r['step']:.2f} | {r['min']:.2f} | {r['temp']:.2f} |")
+        print(
+            f"| {name} | {r['first']:.2f} | {r['step']:.2f} | {r['min']:.2f} | "
+            f"{r['temp']:.2f} | {r['flops']:.4g} |"
+        )
     print()
 
     def ratio(a: str, b: str, what: str) -> str:
@@ -213,7 +219,8 @@ def main() -> None:
     print(
         "step, ps mixed_bfloat16 / jax bf16: median "
         f"{ratio('ps mixed_bfloat16', 'jax bf16 [reference]', 'step')}, min "
-        f"{ratio('ps mixed_bfloat16', 'jax bf16 [reference]', 'min')} (target <= 1.05x)"
+        f"{ratio('ps mixed_bfloat16', 'jax bf16 [reference]', 'min')}, flops "
+        f"{ratio('ps mixed_bfloat16', 'jax bf16 [reference]', 'flops')} (target <= 1.05x)"
     )
     print(
         "temp memory, ps mixed_bfloat16 / ps float32: "
@@ -222,7 +229,8 @@ def main() -> None:
     ls, ref = "ps LossScaleOptimizer", "jax+optax loss scaling [reference]"
     print(
         f"step, ps LossScaleOptimizer / jax+optax loss scaling: median "
-        f"{ratio(ls, ref, 'step')}, min {ratio(ls, ref, 'min')} (target <= 1.05x)"
+        f"{ratio(ls, ref, 'step')}, min {ratio(ls, ref, 'min')}, flops "
+        f"{ratio(ls, ref, 'flops')} (target <= 1.05x)"
     )
     mem_batch = 16 if args.quick else args.memory_batch
     if mem_batch:
@@ -231,9 +239,9 @@ def main() -> None:
         SIZE["batch"] = mem_batch
         temps = {}
         for name in ("ps float32", "ps mixed_bfloat16", "jax bf16 [reference]"):
-            step, temp = VARIANTS[name](n)
+            step, compile_step = VARIANTS[name](n)
             jax.block_until_ready(step())  # a ps step builds its model and optimizer
-            temps[name] = temp() / 2**20
+            temps[name] = compile_step().memory_analysis().temp_size_in_bytes / 2**20
         print()
         print(f"compiled temporary memory at batch {mem_batch} (MiB, compile only):")
         for name, mib in temps.items():

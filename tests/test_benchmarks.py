@@ -13,12 +13,12 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def run(script: str, *args: str) -> str:
+def run(script: str, *args: str, timeout: int = 300) -> str:
     done = subprocess.run(
         [sys.executable, str(BENCH / script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(BENCH.parent)},  # this checkout's paramstore
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -168,16 +168,7 @@ def test_recipes_benchmark_prints_its_targets_and_op_counts():
 
 @pytest.mark.slow
 def test_recipes_precision_benchmark_prints_the_targets():
-    root = str(BENCH.parent)
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "recipes_precision.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": root},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = run("recipes_precision.py", "--quick", timeout=600)
     assert "step, ps mixed_bfloat16 / jax bf16" in out
     assert "temp memory, ps mixed_bfloat16 / ps float32" in out
     assert "step, ps LossScaleOptimizer / jax+optax loss scaling" in out
