@@ -90,6 +90,7 @@ class LoRATuner:
             else ps.CheckpointManager(directory, self.checkpoint, max_to_keep=max_to_keep)
         )
         self.step = ps.function(self._step)
+        self._loss = ps.function(loss)  # one compiled loss for both sides of evaluate
 
     def _step(self, *batch: jax.Array) -> jax.Array:
         loss, grads = ps.value_and_grad(lambda: self.loss(*batch), self.model)()
@@ -132,9 +133,9 @@ class LoRATuner:
 
     def evaluate(self, *batch: jax.Array) -> tuple[float, float]:
         """``(loss with the trained values, loss with their averages)`` on one batch."""
-        raw = float(self.loss(*batch))
+        raw = float(self._loss(*batch))
         with self.ema.swap(self.lora):
-            averaged = float(self.loss(*batch))
+            averaged = float(self._loss(*batch))
         return raw, averaged
 
     def finalize(self) -> None:
