@@ -95,7 +95,10 @@ def test_lora_in_bfloat16_with_ema_resumes_and_exports_to_transformers(ex, hf_di
             "gpt2/repeat/block/c_proj",
         ]
         assert sorted(v.name.rsplit("/", 1)[1] for v in tuner.lora) == [
-            "lora_kernel_a", "lora_kernel_a", "lora_kernel_b", "lora_kernel_b"
+            "lora_kernel_a",
+            "lora_kernel_a",
+            "lora_kernel_b",
+            "lora_kernel_b",
         ]
         assert all(v.shape[0] == 2 and v.dtype == np.float32 for v in tuner.lora)
         assert [v.name for v in model.trainable_variables] == [v.name for v in tuner.lora]
