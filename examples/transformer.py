@@ -284,6 +284,16 @@ def lora_tuner(
     )
 
 
+def lora_data(config: Config) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[Any, Any]]:
+    """``config.lora_steps`` batches ``(x, y)`` drawn from the corpus with another seed than
+    the pretraining's, and one held-out batch."""
+    tokens = load_corpus(config.corpus_mb)
+    rng = np.random.default_rng(config.seed + 1)
+    n = config.lora_steps
+    xs, ys = batches(tokens, config.batch_size, config.seq_len, rng, n + 1)
+    return [(xs[i], ys[i]) for i in range(n)], (xs[n], ys[n])
+
+
 def fine_tune_lora(
     config: Config,
     path: str,
@@ -296,18 +306,15 @@ def fine_tune_lora(
     from ``directory``'s newest checkpoint (``stop_after``: steps at most, an interruption
     for the demonstration). Returns the losses, the step resumed from and the
     evaluation losses (trained LoRA values, and their averages)."""
-    tokens = load_corpus(config.corpus_mb)
-    rng = np.random.default_rng(config.seed + 1)
+    data, held_out = lora_data(config)
     n = config.lora_steps
-    xs, ys = batches(tokens, config.batch_size, config.seq_len, rng, n + 1)
-    data = [(xs[i], ys[i]) for i in range(n)]
     with ps.VariableStore():
         model = pretrained(config, path)
         tuner = lora_tuner(model, config, directory)
-        before = tuner.evaluate(xs[n], ys[n])[0]
+        before = tuner.evaluate(*held_out)[0]
         resumed_at = tuner.resume()
         losses = tuner.train(data, save_every=max(1, n // 4), stop_after=stop_after)
-        raw, averaged = tuner.evaluate(xs[n], ys[n])
+        raw, averaged = tuner.evaluate(*held_out)
         lora_params = sum(v.size for v in tuner.lora)
     print(
         f"LoRA rank {config.lora_rank} in mixed_bfloat16 ({lora_params:,} trainable parameters), "
