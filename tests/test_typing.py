@@ -23,6 +23,9 @@ ALLOWED: dict[str, str] = {
     "paramstore.optimizer.Optimizer.apply_gradients(extra_args)": (
         "forwarded as is to the user's optax transformation (tx.update(..., **extra_args))"
     ),
+    "paramstore.optimizer.loss_scale.LossScaleOptimizer.apply_gradients(extra_args)": (
+        "forwarded as is to the wrapped Optimizer's apply_gradients (its optax transformation)"
+    ),
     "paramstore.nn.repeat.Repeat.__call__(args)": "forwarded to the user's block, any values",
     "paramstore.nn.repeat.Repeat.__call__(kwargs)": "forwarded to the user's block, any values",
     "paramstore.nn.core.Sequential.__call__(x)": (
