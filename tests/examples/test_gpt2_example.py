@@ -103,6 +103,9 @@ def test_lora_in_bfloat16_with_ema_resumes_and_exports_to_transformers(ex, hf_di
         assert all(v.shape[0] == 2 and v.dtype == np.float32 for v in tuner.lora)
         assert [v.name for v in model.trainable_variables] == [v.name for v in tuner.lora]
         losses = tuner.train(batches, save_every=3)
+        # bfloat16 compute, float32 master values: Adam's slots and the averages too
+        trained = [*tuner.opt.variables, *tuner.ema.variables]
+        assert {v.dtype for v in trained if v.dtype.kind == "f"} == {np.dtype("float32")}
         assert losses[-1] < losses[0] - 0.05
         # only the LoRA factors changed; the pretrained values are bit-identical
         after = _values(model.variables)
