@@ -13,8 +13,15 @@ and ``model.safetensors``, or shards with ``model.safetensors.index.json``: e.g.
   key and value kernels, and ``transforms`` split and reshape it (HF's ``Conv1D`` weights
   are ``(in, out)`` like ``ps.nn.Dense`` kernels, so the MLP needs no transpose);
 * logits equal to ``transformers``' ``GPT2LMHeadModel`` (``compare_with_transformers``);
-* full fine-tuning for a few steps (``fine_tune``: a ``ps.function`` AdamW step; the tuning
-  method is the one function to swap for LoRA, mixed precision or EMA);
+* full fine-tuning for a few steps (``fine_tune``: a ``ps.function`` AdamW step);
+* ``--lora``: LoRA fine-tuning in bfloat16 (``lora_fine_tune``, the recipe of
+  ``examples/lora_recipe.py``): the model built under the ``mixed_bfloat16`` policy
+  (variables float32, compute bfloat16; no loss scaling, which only float16 needs), every
+  pretrained variable frozen, ``ps.nn.enable_lora`` on the MLP ``Dense`` layers of the
+  ``Repeat``'s blocks (``c_fc``, ``c_proj``; ``ps.nn.MultiHeadAttention`` has no LoRA),
+  Adam and an EMA of the LoRA factors in one ``ps.function`` step, numbered checkpoints
+  that a re-run resumes (``--checkpoint-dir``), evaluation under ``ema.swap``, then the
+  averages merged into the float32 kernels (``ps.nn.merge_lora``) and exported;
 * ``ps.checkpoint.export_safetensors`` back to Hugging Face's names and layout
   (``export``), which ``GPT2LMHeadModel.from_pretrained`` loads.
 """
@@ -30,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,6 +46,10 @@ import numpy as np
 import optax
 
 import paramstore as ps
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the shared recipe, beside this file
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lora_recipe  # noqa: E402
 
 # ---------------------------------------------------------------------- config
 
@@ -72,8 +84,8 @@ class Block(ps.Module):
         self.ln_1 = ps.nn.LayerNormalization(epsilon=c.layer_norm_epsilon)
         self.attn = ps.nn.MultiHeadAttention(c.n_head, c.n_embd // c.n_head)
         self.ln_2 = ps.nn.LayerNormalization(epsilon=c.layer_norm_epsilon)
-        self.c_fc = ps.nn.Dense(4 * c.n_embd)
-        self.c_proj = ps.nn.Dense(c.n_embd)
+        self.c_fc = ps.nn.Dense(4 * c.n_embd, name="c_fc")  # names for enable_lora's where=
+        self.c_proj = ps.nn.Dense(c.n_embd, name="c_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.ln_1(x)
@@ -105,12 +117,15 @@ class GPT2(ps.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         x = self.wte(ids) + self.wpe(jnp.arange(ids.shape[-1]))
         x = self.ln_f(self.h(x))
+        # under mixed_bfloat16, x is bfloat16 and the float32 embeddings promote the
+        # logits (and the loss's softmax) to float32, as Keras keeps a model's head
         return x @ self.wte.embeddings.value().T
 
 
-def build(c: Config, seq_len: int = 8) -> GPT2:
-    """The model, built abstract: names, shapes and dtypes, nothing allocated."""
-    with ps.abstract():
+def build(c: Config, seq_len: int = 8, policy: str | None = None) -> GPT2:
+    """The model, built abstract: names, shapes and dtypes, nothing allocated. ``policy``
+    (e.g. ``"mixed_bfloat16"``): the layers' mixed-precision policy."""
+    with ps.abstract(), lora_recipe.policy(policy):
         model = GPT2(c)
         model.build(seq_len)
     return model
@@ -163,10 +178,13 @@ def hf_transforms(c: Config) -> dict[str, Callable[[Any], Any]]:
     return out
 
 
-def load(model_dir: str, seq_len: int = 8) -> tuple[GPT2, dict[str, str]]:
-    """The model from a Hugging Face directory, through ``init_from_checkpoint`` alone."""
+def load(
+    model_dir: str, seq_len: int = 8, policy: str | None = None
+) -> tuple[GPT2, dict[str, str]]:
+    """The model from a Hugging Face directory, through ``init_from_checkpoint`` alone
+    (``policy``: as ``build``'s; the variables are float32 under every ``mixed_`` one)."""
     c = Config.from_dir(model_dir)
-    model = build(c, seq_len)
+    model = build(c, seq_len, policy)
     assigned = ps.checkpoint.init_from_checkpoint(
         model_dir, hf_map(model), transforms=hf_transforms(c), cast=True, allow_unverified=True
     )
@@ -236,6 +254,58 @@ def fine_tune(model: GPT2, batches: list[np.ndarray], learning_rate: float = 1e-
     return [float(step(jnp.asarray(b))) for b in batches]
 
 
+LORA_WHERE = r"block/c_(fc|proj)$"  # the MLP Dense layers of every block
+
+
+def lora_tuner(
+    model: GPT2,
+    *,
+    rank: int = 4,
+    learning_rate: float = 1e-2,
+    ema_decay: float = 0.9,
+    directory: str | None = None,
+) -> lora_recipe.LoRATuner:
+    """Freeze ``model``, LoRA on its blocks' MLP, Adam + EMA step, checkpoints in
+    ``directory`` (see ``examples/lora_recipe.py``)."""
+    return lora_recipe.LoRATuner(
+        model,
+        lambda ids: lm_loss(model, ids),
+        rank=rank,
+        where=LORA_WHERE,
+        learning_rate=learning_rate,
+        ema_decay=ema_decay,
+        directory=directory,
+    )
+
+
+def lora_fine_tune(
+    model_dir: str,
+    batches: list[np.ndarray],
+    out: str,
+    *,
+    rank: int = 4,
+    directory: str | None = None,
+    save_every: int = 2,
+) -> dict[str, Any]:
+    """The recipe end to end: load under ``mixed_bfloat16``, LoRA, train on ``batches``
+    (resuming from the newest checkpoint of ``directory``), evaluate with and without the
+    averages, merge the averages and export the float32 weights to ``out``."""
+    model, _ = load(model_dir, policy="mixed_bfloat16")
+    tuner = lora_tuner(model, rank=rank, directory=directory)
+    resumed_at = tuner.resume()
+    losses = tuner.train(batches, save_every=save_every)
+    raw, averaged = tuner.evaluate(jnp.asarray(batches[-1]))
+    tuner.finalize()
+    export(model, out)
+    return {
+        "model": model,
+        "resumed_at": resumed_at,
+        "losses": losses,
+        "eval_loss": raw,
+        "ema_eval_loss": averaged,
+    }
+
+
 # ------------------------------------------------------------------- transformers
 
 
@@ -283,6 +353,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("model_dir", nargs="?", help="a Hugging Face GPT-2 directory")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", help="where to export the fine-tuned model")
+    parser.add_argument(
+        "--lora", action="store_true", help="LoRA in mixed_bfloat16 with EMA instead of full"
+    )
+    parser.add_argument("--rank", type=int, default=4, help="LoRA rank (--lora)")
+    parser.add_argument(
+        "--checkpoint-dir", help="--lora: numbered checkpoints here; a re-run resumes from them"
+    )
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp()
     try:
@@ -297,14 +374,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ref = transformers_logits(model_dir, ids)
         print(f"max |logits - transformers| = {np.abs(logits - ref).max():.2e}")
         batches = [rng.integers(0, c.vocab_size, (4, 9))] * args.steps  # memorize one batch
-        losses = fine_tune(model, batches)
-        print("fine-tuning losses:", " ".join(f"{x:.3f}" for x in losses))
         out = args.out or os.path.join(work, "tuned")
         if out != model_dir:
             os.makedirs(out, exist_ok=True)
             shutil.copy(os.path.join(model_dir, "config.json"), out)
-        export(model, out)
-        tuned = np.asarray(model(jnp.asarray(ids)))
+        if args.lora:
+            with ps.VariableStore():
+                run = lora_fine_tune(
+                    model_dir, batches, out, rank=args.rank, directory=args.checkpoint_dir
+                )
+                bf16 = np.asarray(run["model"](jnp.asarray(ids)))
+            print(f"LoRA (rank {args.rank}, mixed_bfloat16) from step {run['resumed_at']}")
+            losses = run["losses"]
+            print("fine-tuning losses:", " ".join(f"{x:.3f}" for x in losses))
+            print(f"eval loss {run['eval_loss']:.4f}, with the EMA {run['ema_eval_loss']:.4f}")
+            with ps.VariableStore():  # the export, computed in float32
+                tuned = np.asarray(load(out)[0](jnp.asarray(ids)))
+            print(f"max |bfloat16 - float32 logits| = {np.abs(bf16 - tuned).max():.2e}")
+        else:
+            losses = fine_tune(model, batches)
+            print("fine-tuning losses:", " ".join(f"{x:.3f}" for x in losses))
+            export(model, out)
+            tuned = np.asarray(model(jnp.asarray(ids)))
         exported = transformers_logits(out, ids)
         print(
             f"exported to {out}: max |logits - transformers| = {np.abs(tuned - exported).max():.2e}"

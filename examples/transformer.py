@@ -12,7 +12,13 @@ Run ``python examples/transformer.py`` (about a minute on a 2-core CPU). It show
 * K training steps fused into one ``ps.function`` call by a plain ``jax.lax.scan`` whose body
   calls ``opt.apply_gradients`` (``--fuse K``; ``--fuse 0`` runs one call per step);
 * a tqdm progress bar, a checkpoint of model and optimizer saved and restored, and text
-  sampled from the trained model.
+  sampled from the trained model;
+* ``--lora``: then fine-tunes that model as a pretrained one (``fine_tune_lora``, the recipe
+  of ``examples/lora_recipe.py`` that ``examples/gpt2.py --lora`` uses too): rebuilt under the
+  ``mixed_bfloat16`` policy (float32 variables, bfloat16 compute, no loss scaling needed),
+  restored from the checkpoint, frozen, LoRA on the MLP ``Dense`` layers of the ``Repeat``'s
+  blocks, Adam and an EMA of the LoRA factors in one ``ps.function`` step, numbered
+  checkpoints (a second call resumes from them), evaluated with and without the averages.
 
 The text is the ``.py`` files of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``): on every machine, no download. Tokens are bytes
@@ -45,6 +51,10 @@ from tqdm import tqdm
 
 import paramstore as ps
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # the shared recipe, beside this file
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lora_recipe  # noqa: E402
+
 VOCAB = 128
 
 
@@ -69,6 +79,9 @@ class Config:
     prompt: str = "def "
     output_dir: str | None = None  # checkpoint directory (a temporary one by default)
     progress: bool = True
+    lora: bool = False  # then fine-tune the trained model with LoRA in mixed_bfloat16
+    lora_rank: int = 4
+    lora_steps: int = 60
 
 
 # ------------------------------------------------------------------------ data
@@ -118,8 +131,8 @@ class Block(ps.Module):
         self.ln1 = ps.nn.LayerNormalization()
         self.attn = ps.nn.MultiHeadAttention(heads, d_model // heads)
         self.ln2 = ps.nn.LayerNormalization()
-        self.mlp_in = ps.nn.Dense(4 * d_model, activation="gelu")
-        self.mlp_out = ps.nn.Dense(d_model)
+        self.mlp_in = ps.nn.Dense(4 * d_model, activation="gelu", name="mlp_in")
+        self.mlp_out = ps.nn.Dense(d_model, name="mlp_out")  # names for LoRA's where=
         self.drop = ps.nn.Dropout(dropout)
 
     def __call__(self, x: jax.Array, training: bool = False) -> jax.Array:
@@ -160,6 +173,8 @@ class TransformerLM(ps.Module):
 
 
 def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    # in float32 also when the model computes in bfloat16 (mixed_bfloat16)
+    logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
@@ -237,6 +252,86 @@ def save_and_restore(
     return str(path), before, after
 
 
+# ------------------------------------------------------------------ fine-tuning
+
+LORA_WHERE = r"block/mlp_(in|out)$"  # the MLP Dense layers of every block
+
+
+def pretrained(config: Config, path: str, policy: str | None = "mixed_bfloat16") -> TransformerLM:
+    """The model built under ``policy`` (its variables float32 all the same) with the model
+    values of checkpoint ``path`` (``save_and_restore``'s, whose optimizer part is left)."""
+    with lora_recipe.policy(policy):
+        model = TransformerLM(config)
+        model(jnp.zeros((1, config.seq_len), jnp.int32))
+    ps.Checkpoint(model=model).restore(path).assert_existing_objects_matched()
+    return model
+
+
+def lora_tuner(
+    model: TransformerLM, config: Config, directory: str | None = None
+) -> lora_recipe.LoRATuner:
+    """Freeze, LoRA on the blocks' MLP, Adam + EMA step, checkpoints in ``directory``.
+    Dropout is off (``training=False``) so that a resumed run repeats an uninterrupted one
+    without checkpointing a random state."""
+    return lora_recipe.LoRATuner(
+        model,
+        lambda x, y: loss_fn(model(x), y),
+        rank=config.lora_rank,
+        where=LORA_WHERE,
+        learning_rate=config.learning_rate,
+        ema_decay=0.99,
+        directory=directory,
+    )
+
+
+def lora_data(config: Config) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[Any, Any]]:
+    """``config.lora_steps`` batches ``(x, y)`` drawn from the corpus with another seed than
+    the pretraining's, and one held-out batch."""
+    tokens = load_corpus(config.corpus_mb)
+    rng = np.random.default_rng(config.seed + 1)
+    n = config.lora_steps
+    xs, ys = batches(tokens, config.batch_size, config.seq_len, rng, n + 1)
+    return [(xs[i], ys[i]) for i in range(n)], (xs[n], ys[n])
+
+
+def fine_tune_lora(
+    config: Config,
+    path: str,
+    directory: str,
+    out: TextIO = sys.stdout,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Fine-tune the model of checkpoint ``path`` with LoRA in ``mixed_bfloat16`` for
+    ``config.lora_steps`` steps on batches drawn from the corpus with another seed, resuming
+    from ``directory``'s newest checkpoint (``stop_after``: steps at most, an interruption
+    for the demonstration). Returns the losses, the step resumed from and the
+    evaluation losses (trained LoRA values, and their averages)."""
+    data, held_out = lora_data(config)
+    n = config.lora_steps
+    with ps.VariableStore():
+        model = pretrained(config, path)
+        tuner = lora_tuner(model, config, directory)
+        before = tuner.evaluate(*held_out)[0]
+        resumed_at = tuner.resume()
+        losses = tuner.train(data, save_every=max(1, n // 4), stop_after=stop_after)
+        raw, averaged = tuner.evaluate(*held_out)
+        lora_params = sum(v.size for v in tuner.lora)
+    print(
+        f"LoRA rank {config.lora_rank} in mixed_bfloat16 ({lora_params:,} trainable parameters), "
+        f"steps {resumed_at}..{n}: eval loss {before:.4f} -> {raw:.4f}, with the EMA "
+        f"{averaged:.4f}; checkpoints in {directory}",
+        file=out,
+    )
+    return {
+        "losses": losses,
+        "resumed_at": resumed_at,
+        "eval_loss_before": before,
+        "eval_loss": raw,
+        "ema_eval_loss": averaged,
+        "lora_parameters": lora_params,
+    }
+
+
 # ------------------------------------------------------------------------ run
 
 
@@ -299,7 +394,9 @@ def train(
         print(f"checkpoint: {path}; eval loss {before:.4f}, restored model {after:.4f}", file=out)
         text = sample(model, config, config.prompt, config.sample_chars, config.seed)
         print("sample:\n" + text, file=out)
+    lora = fine_tune_lora(config, path, str(directory / "lora"), out) if config.lora else None
     return {
+        "lora": lora,
         "losses": losses,
         "seconds": seconds,
         "fused": k,
@@ -319,11 +416,13 @@ def _parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(Config):
         if field.name == "progress":
             continue
-        if field.name == "unrolled":
+        if field.name in ("unrolled", "lora"):
             parser.add_argument(
-                "--unrolled",
+                "--" + field.name,
                 action="store_true",
-                help="blocks in a Python list applied by a loop, instead of ps.nn.Repeat",
+                help="blocks in a Python list applied by a loop, instead of ps.nn.Repeat"
+                if field.name == "unrolled"
+                else "then fine-tune with LoRA in mixed_bfloat16 with an EMA (lora_recipe.py)",
             )
             continue
         flag = "--" + field.name.replace("_", "-")

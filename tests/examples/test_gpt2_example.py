@@ -73,3 +73,81 @@ def test_the_map_names_every_variable_of_the_model(ex, fresh_store):
         for name in r if isinstance(r, tuple) else (r,):
             targets.add(name.split("[")[0])
     assert targets == {v.name for v in model.variables}
+
+
+def _values(variables):
+    return {v.name: np.asarray(v.value()) for v in variables}
+
+
+@pytest.mark.slow
+def test_lora_in_bfloat16_with_ema_resumes_and_exports_to_transformers(ex, hf_dir, tmp_path):
+    batches = [np.random.default_rng(1).integers(0, 100, (4, 9))] * 6
+    ckpt = str(tmp_path / "ckpt")
+    with ps.VariableStore():  # the uninterrupted run, saving at steps 3 and 6
+        model, _ = ex.load(hf_dir, policy="mixed_bfloat16")
+        assert model.h.dtype_policy.name == "mixed_bfloat16"
+        assert {v.dtype for v in model.variables} == {np.dtype("float32")}
+        pretrained = _values(model.variables)
+        tuner = ex.lora_tuner(model, directory=ckpt)
+        # LoRA went into both MLP Dense layers of the Repeat's blocks, stacked per block
+        assert [ly.scope_name for ly in tuner.layers] == [
+            "gpt2/repeat/block/c_fc",
+            "gpt2/repeat/block/c_proj",
+        ]
+        assert sorted(v.name.rsplit("/", 1)[1] for v in tuner.lora) == [
+            "lora_kernel_a",
+            "lora_kernel_a",
+            "lora_kernel_b",
+            "lora_kernel_b",
+        ]
+        assert all(v.shape[0] == 2 and v.dtype == np.float32 for v in tuner.lora)
+        assert [v.name for v in model.trainable_variables] == [v.name for v in tuner.lora]
+        losses = tuner.train(batches, save_every=3)
+        # bfloat16 compute, float32 master values: Adam's slots and the averages too
+        trained = [*tuner.opt.variables, *tuner.ema.variables]
+        assert {v.dtype for v in trained if v.dtype.kind == "f"} == {np.dtype("float32")}
+        assert losses[-1] < losses[0] - 0.05
+        # only the LoRA factors changed; the pretrained values are bit-identical
+        after = _values(model.variables)
+        assert set(pretrained) < set(after)
+        for name, value in pretrained.items():
+            assert np.array_equal(after[name], value), name
+        assert all(not np.array_equal(after[v.name], 0 * after[v.name]) for v in tuner.lora)
+        # the averages differ from the trained values; swap shows them, then puts them back
+        raw = _values(tuner.lora)
+        shadows = {v.name: np.asarray(tuner.ema.average(v).value()) for v in tuner.lora}
+        assert all(np.abs(shadows[n] - raw[n]).max() > 1e-4 for n in raw)
+        with tuner.ema.swap(tuner.lora):
+            for v in tuner.lora:
+                np.testing.assert_array_equal(np.asarray(v.value()), shadows[v.name])
+        for v in tuner.lora:
+            np.testing.assert_array_equal(np.asarray(v.value()), raw[v.name])
+        loss_raw, loss_ema = tuner.evaluate(jnp.asarray(batches[0]))
+        assert loss_raw != loss_ema
+        final = _values([*model.variables, *tuner.opt.variables, *tuner.ema.variables])
+
+        # the export: averages merged into float32 kernels, loaded by transformers
+        tuner.finalize()
+        assert not any("lora" in v.name for v in model.variables)
+        bf16 = np.asarray(model(jnp.asarray(IDS)))
+        out = tmp_path / "tuned"
+        out.mkdir()
+        shutil.copy(os.path.join(hf_dir, "config.json"), out)
+        ex.export(model, str(out))
+    reference = ex.transformers_logits(str(out), IDS)
+    with ps.VariableStore():  # the exported float32 weights computed in float32
+        exported, _ = ex.load(str(out))
+        np.testing.assert_allclose(np.asarray(exported(jnp.asarray(IDS))), reference, atol=1e-4)
+    # bfloat16 compute: 8 significant bits, |logits| < 1, so ~2**-8 relative per op
+    np.testing.assert_allclose(bf16, reference, atol=2e-2)
+    assert np.abs(reference - ex.transformers_logits(hf_dir, IDS)).max() > 1e-3  # it was tuned
+
+    with ps.VariableStore():  # "killed" after step 3: a new process resumes from its checkpoint
+        model, _ = ex.load(hf_dir, policy="mixed_bfloat16")
+        tuner = ex.lora_tuner(model, directory=str(tmp_path / "other"))
+        assert tuner.resume(os.path.join(ckpt, "ckpt-3.safetensors")) == 3
+        assert tuner.train(batches) == losses[3:]
+        resumed = _values([*model.variables, *tuner.opt.variables, *tuner.ema.variables])
+    assert resumed.keys() == final.keys()
+    for name, value in final.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
