@@ -1,6 +1,6 @@
 """``ps.mixed_precision``: Keras 3's dtype policies for ``ps.nn`` layers.
 
-Contract (docs/api.md, "Mixed precision"; docs/guides/recipes_precision.md):
+Contract (docs/api.md, "Mixed precision"; docs/guides/recipes.md):
 
 * ``Policy(name)`` with Keras 3's names: ``"float32"``, ``"float16"``, ``"bfloat16"`` (the
   variables and the computation in that dtype), ``"mixed_float16"``, ``"mixed_bfloat16"``

@@ -1,6 +1,6 @@
 """LoRA on one layer (``Dense``, ``Embedding``), as Keras 3's ``enable_lora``.
 
-Contract (docs/api.md, "LoRA"; docs/guides/recipes_precision.md, "LoRA"):
+Contract (docs/api.md, "LoRA"; docs/guides/recipes.md, "LoRA"):
 
 * ``layer.enable_lora(rank, lora_alpha=None, a_initializer="he_uniform",
   b_initializer="zeros")`` on a built layer: the target variable (``kernel`` of shape

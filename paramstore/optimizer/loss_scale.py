@@ -1,6 +1,6 @@
 """``ps.LossScaleOptimizer``: Keras 3's dynamic loss scaling around a ``ps.Optimizer``.
 
-Contract (docs/api.md, "Mixed precision"; docs/guides/recipes_precision.md, "Loss scaling"):
+Contract (docs/api.md, "Mixed precision"; docs/guides/recipes.md, "Loss scaling"):
 
 * ``LossScaleOptimizer(optimizer, initial_scale=2.0**15, dynamic_growth_steps=2000, *,
   name=None)``: ``optimizer`` must be a ``ps.Optimizer`` (else ``TypeError``),
