@@ -24,8 +24,9 @@ Contract (docs/api.md, "Layers"; docs/layers.md, "Recurrent layers"):
   ``"ave"`` or None (a list of both).
 * ``dtype=`` (a ``ps.mixed_precision`` policy): variables in its variable dtype, inputs,
   states and outputs in its compute dtype, as Keras 3. ``Bidirectional``'s ``dtype=`` casts
-  only its input: its two directions keep the wrapped layer's policy (Keras rebuilds them
-  from the layer's config, policy included); a given ``backward_layer`` keeps its own.
+  its input and the two outputs it merges (not the states), as Keras: its two directions keep
+  the wrapped layer's policy (Keras rebuilds them from the layer's config, policy included);
+  a given ``backward_layer`` keeps its own.
 * ``kernel_regularizer``, ``recurrent_regularizer``, ``bias_regularizer`` and the three
   ``*_constraint`` arguments (Keras 3's names) attach to ``kernel``, ``recurrent_kernel``
   and ``bias`` (``ps.regularization_loss``; optimizers apply the constraints).
@@ -337,6 +338,7 @@ class Bidirectional(Layer):
             states = [*y[1:], *y_rev[1:]]
             y, y_rev = y[0], y_rev[0]
         assert not isinstance(y, list) and not isinstance(y_rev, list)
+        y, y_rev = self.cast(y), self.cast(y_rev)  # as Keras: outputs (not states) in ours
         if self.return_sequences:
             y_rev = jnp.flip(y_rev, axis=1)
         if self.merge_mode is None:
