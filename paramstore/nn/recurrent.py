@@ -39,10 +39,10 @@ Contract (docs/api.md, "Layers"; docs/layers.md, "Recurrent layers"):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from paramstore.nn._base import Activation, Layer, PolicyLike, Shape, as_float
 from paramstore.nn._recurrent_base import Output, RecurrentLayer
@@ -51,6 +51,7 @@ from paramstore.typing import (
     Initializer,
     LayerInitializer,
     RegularizerLike,
+    ShapeLike,
     ValueLike,
 )
 
@@ -118,8 +119,8 @@ class LSTM(RecurrentLayer):
             return self._bias_init
         u, init = self.units, self._bias_init
 
-        def forget_ones(shape: tuple[int, ...], dtype: Any = None) -> Array:
-            ones = jnp.ones((u,), dtype)
+        def forget_ones(shape: ShapeLike, dtype: DTypeLike = jnp.float32) -> Array:
+            ones = jnp.ones((u,), dtype)  # the forget gate's quarter
             return jnp.concatenate([init((u,), dtype), ones, init((2 * u,), dtype)])
 
         return forget_ones
