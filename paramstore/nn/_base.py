@@ -339,11 +339,14 @@ class Layer(Module):
         trainable: bool = True,
         dtype: DTypeLike | None = None,
         partition: Partition | None = None,
+        hooks_from: str | None = None,
     ) -> Variable:
         """A new Variable ``name`` of ``shape`` from ``initializer(shape, dtype)``, in the
         layer's ``variable_dtype`` unless ``dtype`` is given (as Keras' ``add_weight``), with
-        the layer's ``<name>_regularizer`` and ``<name>_constraint`` (``set_hooks``); call it
-        in ``build`` (inside the layer's name scope)."""
+        the layer's ``<name>_regularizer`` and ``<name>_constraint`` (``set_hooks``), or
+        ``<hooks_from>_regularizer``/``_constraint`` when given (Keras' ``recurrent_kernel``
+        takes ``recurrent_regularizer``); call it in ``build`` (inside the layer's name
+        scope)."""
         dt = self.variable_dtype if dtype is None else dtype
         dims = tuple(shape)
         return Variable(
@@ -351,7 +354,7 @@ class Layer(Module):
             trainable=trainable,
             name=name,
             partition=partition,
-            **hooks(self, name),  # the layer's <name>_regularizer / <name>_constraint
+            **hooks(self, hooks_from or name),  # <name>_regularizer / _constraint
         )
 
     def cast(self, value: Variable | jax.Array) -> jax.Array:

@@ -22,6 +22,14 @@ Contract (docs/api.md, "Layers"; docs/layers.md, "Recurrent layers"):
   from ``layer``'s arguments as Keras does, and merges their outputs (the backward
   sequence flipped back to the input's order): ``"concat"``, ``"sum"``, ``"mul"``,
   ``"ave"`` or None (a list of both).
+* ``dtype=`` (a ``ps.mixed_precision`` policy): variables in its variable dtype, inputs,
+  states and outputs in its compute dtype, as Keras 3. ``Bidirectional``'s ``dtype=`` casts
+  its input and the two outputs it merges (not the states), as Keras: its two directions keep
+  the wrapped layer's policy (Keras rebuilds them from the layer's config, policy included);
+  a given ``backward_layer`` keeps its own.
+* ``kernel_regularizer``, ``recurrent_regularizer``, ``bias_regularizer`` and the three
+  ``*_constraint`` arguments (Keras 3's names) attach to ``kernel``, ``recurrent_kernel``
+  and ``bias`` (``ps.regularization_loss``; optimizers apply the constraints).
 * Not supported (an error, not a silent difference): ``mask``, ``dropout``,
   ``recurrent_dropout``, ``stateful`` and ``unroll`` are not arguments.
 * Bad input: anything but a 3-D input raises ``ValueError`` naming the layer before
@@ -30,182 +38,29 @@ Contract (docs/api.md, "Layers"; docs/layers.md, "Recurrent layers"):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
-from paramstore import initializers as _init
-from paramstore.nn._base import (
-    Activation,
-    Layer,
-    Shape,
-    as_float,
-    features,
-    initializer,
-    resolve_activation,
+from paramstore.nn._base import Activation, Layer, PolicyLike, Shape, as_float
+from paramstore.nn._recurrent_base import Output, RecurrentLayer
+from paramstore.typing import (
+    ConstraintLike,
+    Initializer,
+    LayerInitializer,
+    RegularizerLike,
+    ShapeLike,
+    ValueLike,
 )
-from paramstore.typing import LayerInitializer, ValueLike
-from paramstore.variable import Variable
 
 __all__ = ["LSTM", "GRU", "Bidirectional"]
 
 Array = jax.Array
-Output = Array | list[Array]
 
 
-class _RNN(Layer):
-    """What LSTM and GRU share: arguments, checks, variables and the scan."""
-
-    variable_names = ("kernel", "recurrent_kernel", "bias")
-    _gates: ClassVar[int] = 4
-    _n_states: ClassVar[int] = 1
-    kernel: Variable
-    recurrent_kernel: Variable
-    bias: Variable | None
-
-    def __init__(
-        self,
-        units: int,
-        activation: str | Activation | None = "tanh",
-        recurrent_activation: str | Activation | None = "sigmoid",
-        use_bias: bool = True,
-        kernel_initializer: LayerInitializer = None,
-        recurrent_initializer: LayerInitializer = None,
-        bias_initializer: LayerInitializer = None,
-        return_sequences: bool = False,
-        return_state: bool = False,
-        go_backwards: bool = False,
-        name: str | None = None,
-    ) -> None:
-        super().__init__(name=name)
-        kind = type(self).__name__
-        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
-            raise ValueError(f"{kind}: units must be a positive int, got {units!r}.")
-        self.units = units
-        self._config: dict[str, Any] = {
-            "units": units,
-            "activation": activation,
-            "recurrent_activation": recurrent_activation,
-            "use_bias": use_bias,
-            "kernel_initializer": kernel_initializer,
-            "recurrent_initializer": recurrent_initializer,
-            "bias_initializer": bias_initializer,
-            "return_sequences": return_sequences,
-            "return_state": return_state,
-            "go_backwards": go_backwards,
-        }
-        self.activation = resolve_activation(activation, kind) or (lambda x: x)
-        self.recurrent_activation = resolve_activation(recurrent_activation, kind) or (lambda x: x)
-        self.use_bias = bool(use_bias)
-        self.return_sequences = bool(return_sequences)
-        self.return_state = bool(return_state)
-        self.go_backwards = bool(go_backwards)
-        self._kernel_init = initializer(
-            kernel_initializer, _init.glorot_uniform(), kind, "kernel_initializer"
-        )
-        self._recurrent_init = initializer(
-            recurrent_initializer, _init.orthogonal(), kind, "recurrent_initializer"
-        )
-        self._bias_init = initializer(bias_initializer, _init.zeros(), kind, "bias_initializer")
-
-    def config(self) -> dict[str, Any]:
-        """The constructor's arguments (what ``Bidirectional`` copies the layer from)."""
-        return dict(self._config)
-
-    def check_shape(self, *shapes: Shape | None) -> None:
-        """A 3-D input ``(batch, timesteps, features)``, else ValueError naming the layer."""
-        shape = shapes[0]
-        if shape is not None and len(shape) != 3:
-            raise ValueError(
-                f"{self.describe()} expects a 3-D input (batch, timesteps, features), got "
-                f"shape {shape} ({len(shape)}-D). A single sequence needs a batch axis "
-                "(x[None]); one feature per step needs a feature axis (x[..., None])."
-            )
-
-    def _bias_shape(self) -> tuple[int, ...]:
-        return (self._gates * self.units,)
-
-    def _bias_value(self, shape: tuple[int, ...]) -> Array:
-        return jnp.asarray(self._bias_init(shape))
-
-    def build(self, input_shape: Shape) -> None:
-        """Create ``kernel``, ``recurrent_kernel`` and ``bias`` for inputs of
-        ``input_shape``."""
-        n_in, units, n = features(self, input_shape), self.units, self._gates * self.units
-        k_init, r_init = self._kernel_init, self._recurrent_init
-        self.kernel = Variable(lambda: k_init((n_in, n)), name="kernel")
-        self.recurrent_kernel = Variable(lambda: r_init((units, n)), name="recurrent_kernel")
-        shape = self._bias_shape()
-        self.bias = (
-            Variable(lambda: self._bias_value(shape), name="bias") if self.use_bias else None
-        )
-
-    def compute_output_shape(self, input_shape: Shape) -> Shape | None:
-        """``(batch, units)``, or ``(batch, timesteps, units)`` with ``return_sequences``
-        (None with ``return_state``: a list)."""
-        if self.return_state:
-            return None  # a list of shapes: not a Sequential layer
-        if self.return_sequences:
-            return (input_shape[0], input_shape[1], self.units)
-        return (input_shape[0], self.units)
-
-    def _step(
-        self, rk: Array, rb: Array | None, carry: tuple[Array, ...], xw: Array
-    ) -> tuple[tuple[Array, ...], Array]:
-        """One step from the recurrent kernel ``rk`` and recurrent bias ``rb`` (arrays read
-        before the scan: a scan body never reads a variable)."""
-        raise NotImplementedError
-
-    def _recurrent_bias(self, dtype: Any) -> Array | None:
-        return None
-
-    def _inputs(self, x: Array) -> Array:
-        """Every step's input projection ``x @ kernel (+ input bias)``, time-major."""
-        xw = jnp.einsum("btf,fg->tbg", x, self.kernel.value().astype(x.dtype))
-        return xw
-
-    def _initial(self, x: Array, initial_state: Sequence[ValueLike] | None) -> tuple[Array, ...]:
-        shape = (x.shape[0], self.units)
-        if initial_state is None:
-            return tuple(jnp.zeros(shape, x.dtype) for _ in range(self._n_states))
-        states = [initial_state] if not isinstance(initial_state, (list, tuple)) else initial_state
-        arrays = tuple(jnp.asarray(s, x.dtype) for s in states)
-        if len(arrays) != self._n_states or any(a.shape != shape for a in arrays):
-            raise ValueError(
-                f"{self.describe()}: initial_state must be {self._n_states} array(s) of shape "
-                f"{shape} (batch, units), got shapes {[tuple(a.shape) for a in arrays]}."
-            )
-        return arrays
-
-    def __call__(
-        self,
-        sequences: ValueLike,
-        initial_state: Sequence[ValueLike] | None = None,
-        training: bool | None = None,
-    ) -> Output:
-        """Run the layer over ``sequences`` ``(batch, timesteps, features)`` from
-        ``initial_state`` (zeros by default); see the module docstring for what it
-        returns."""
-        x = as_float(sequences, self)
-        self.check_shape(tuple(x.shape))
-        carry = self._initial(x, initial_state)  # checked before anything is built
-        self.ensure_built(tuple(x.shape))
-        if self.go_backwards:
-            x = jnp.flip(x, axis=1)
-        xw = self._inputs(x)
-        rk = self.recurrent_kernel.value().astype(x.dtype)
-        step = functools.partial(self._step, rk, self._recurrent_bias(x.dtype))
-        carry, ys = jax.lax.scan(step, carry, xw)
-        output = jnp.swapaxes(ys, 0, 1) if self.return_sequences else carry[0]
-        if self.return_state:
-            return [output, *carry]
-        return output
-
-
-class LSTM(_RNN):
+class LSTM(RecurrentLayer):
     """Long short-term memory, as ``keras.layers.LSTM`` (Keras 3's variables, gate order
     ``i, f, c, o``, defaults and results; see the module docstring). ``unit_forget_bias``
     (default True) starts the forget gate's bias at one."""
@@ -227,6 +82,14 @@ class LSTM(_RNN):
         return_state: bool = False,
         go_backwards: bool = False,
         name: str | None = None,
+        *,
+        kernel_regularizer: RegularizerLike | None = None,
+        recurrent_regularizer: RegularizerLike | None = None,
+        bias_regularizer: RegularizerLike | None = None,
+        kernel_constraint: ConstraintLike | None = None,
+        recurrent_constraint: ConstraintLike | None = None,
+        bias_constraint: ConstraintLike | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
         super().__init__(
             units,
@@ -240,20 +103,31 @@ class LSTM(_RNN):
             return_state,
             go_backwards,
             name=name,
+            kernel_regularizer=kernel_regularizer,
+            recurrent_regularizer=recurrent_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            recurrent_constraint=recurrent_constraint,
+            bias_constraint=bias_constraint,
+            dtype=dtype,
         )
         self.unit_forget_bias = bool(unit_forget_bias)
         self._config["unit_forget_bias"] = unit_forget_bias
 
-    def _bias_value(self, shape: tuple[int, ...]) -> Array:
+    def _bias_initializer(self) -> Initializer:
         if not self.unit_forget_bias:
-            return super()._bias_value(shape)
-        u = self.units
-        init = self._bias_init
-        return jnp.concatenate([init((u,)), jnp.ones((u,)), init((2 * u,))])
+            return self._bias_init
+        u, init = self.units, self._bias_init
+
+        def forget_ones(shape: ShapeLike, dtype: DTypeLike = jnp.float32) -> Array:
+            ones = jnp.ones((u,), dtype)  # the forget gate's quarter
+            return jnp.concatenate([init((u,), dtype), ones, init((2 * u,), dtype)])
+
+        return forget_ones
 
     def _inputs(self, x: Array) -> Array:
         xw = super()._inputs(x)
-        return xw if self.bias is None else xw + self.bias.value().astype(x.dtype)
+        return xw if self.bias is None else xw + self.cast(self.bias)
 
     def _step(
         self, rk: Array, rb: Array | None, carry: tuple[Array, ...], xw: Array
@@ -267,7 +141,7 @@ class LSTM(_RNN):
         return (h, c), h
 
 
-class GRU(_RNN):
+class GRU(RecurrentLayer):
     """Gated recurrent unit, as ``keras.layers.GRU`` (gate order ``z, r, h``). With
     ``reset_after=True`` (Keras 3's default, cuDNN's form) the reset gate multiplies the
     recurrent projection and ``bias`` is ``(2, 3 * units)`` (input and recurrent biases);
@@ -290,6 +164,14 @@ class GRU(_RNN):
         go_backwards: bool = False,
         reset_after: bool = True,
         name: str | None = None,
+        *,
+        kernel_regularizer: RegularizerLike | None = None,
+        recurrent_regularizer: RegularizerLike | None = None,
+        bias_regularizer: RegularizerLike | None = None,
+        kernel_constraint: ConstraintLike | None = None,
+        recurrent_constraint: ConstraintLike | None = None,
+        bias_constraint: ConstraintLike | None = None,
+        dtype: PolicyLike = None,
     ) -> None:
         super().__init__(
             units,
@@ -303,6 +185,13 @@ class GRU(_RNN):
             return_state,
             go_backwards,
             name=name,
+            kernel_regularizer=kernel_regularizer,
+            recurrent_regularizer=recurrent_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            recurrent_constraint=recurrent_constraint,
+            bias_constraint=bias_constraint,
+            dtype=dtype,
         )
         self.reset_after = bool(reset_after)
         self._config["reset_after"] = reset_after
@@ -315,13 +204,13 @@ class GRU(_RNN):
         xw = super()._inputs(x)
         if self.bias is None:
             return xw
-        b = self.bias.value().astype(x.dtype)
+        b = self.cast(self.bias)
         return xw + (b[0] if self.reset_after else b)
 
-    def _recurrent_bias(self, dtype: Any) -> Array | None:
+    def _recurrent_bias(self) -> Array | None:
         if self.bias is None or not self.reset_after:
             return None
-        return self.bias.value()[1].astype(dtype)
+        return self.cast(self.bias)[1]
 
     def _step(
         self, rk: Array, rb: Array | None, carry: tuple[Array, ...], xw: Array
@@ -364,13 +253,15 @@ class Bidirectional(Layer):
 
     def __init__(
         self,
-        layer: _RNN,
+        layer: RecurrentLayer,
         merge_mode: str | None = "concat",
-        backward_layer: _RNN | None = None,
+        backward_layer: RecurrentLayer | None = None,
         name: str | None = None,
+        *,
+        dtype: PolicyLike = None,
     ) -> None:
-        super().__init__(name=name)
-        if not isinstance(layer, _RNN):
+        super().__init__(name=name, dtype=dtype)
+        if not isinstance(layer, RecurrentLayer):
             raise TypeError(
                 f"Bidirectional: layer must be a ps.nn.LSTM or ps.nn.GRU, got "
                 f"{type(layer).__name__}."
@@ -380,7 +271,7 @@ class Bidirectional(Layer):
                 f"Bidirectional: merge_mode must be one of {sorted(_MERGES)} or None, got "
                 f"{merge_mode!r}."
             )
-        if backward_layer is not None and not isinstance(backward_layer, _RNN):
+        if backward_layer is not None and not isinstance(backward_layer, RecurrentLayer):
             raise TypeError(
                 "Bidirectional: backward_layer must be a ps.nn.LSTM or ps.nn.GRU, got "
                 f"{type(backward_layer).__name__}."
@@ -448,6 +339,7 @@ class Bidirectional(Layer):
             states = [*y[1:], *y_rev[1:]]
             y, y_rev = y[0], y_rev[0]
         assert not isinstance(y, list) and not isinstance(y_rev, list)
+        y, y_rev = self.cast(y), self.cast(y_rev)  # as Keras: outputs (not states) in ours
         if self.return_sequences:
             y_rev = jnp.flip(y_rev, axis=1)
         if self.merge_mode is None:

@@ -202,3 +202,138 @@ def test_bad_arguments():
     layer = ps.nn.LSTM(2)
     with pytest.raises(ValueError, match=r"initial_state must be 2 array\(s\) of shape \(1, 2\)"):
         layer(np.zeros((1, 3, 2), np.float32), initial_state=[np.zeros((1, 2))])
+
+
+# ------------------------------------------------------------------ dtype=, regularizers, constraints
+
+
+@pytest.fixture
+def keras_bf16(keras):
+    """Keras with its default policy restored after the test (ps layers take dtype= here)."""
+    yield keras
+    keras.config.set_dtype_policy("float32")
+
+
+def _f32(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize(
+    "kind,kw",
+    [("LSTM", {"return_sequences": True}), ("GRU", {"return_state": True}), ("GRU", {})],
+)
+def test_mixed_bfloat16_matches_keras(keras_bf16, kind, kw):
+    x = rand(2, 3, 3)
+    ours = getattr(ps.nn, kind)(4, dtype="mixed_bfloat16", **kw)
+    theirs = getattr(keras_bf16.layers, kind)(4, dtype="mixed_bfloat16", **kw)
+    ours.build((None, 3, 3))
+    theirs.build((None, 3, 3))
+    assert all(v.dtype == jnp.float32 for v in ours.variables)
+    _randomize(ours)
+    theirs.set_weights(ours.get_weights())
+    want = theirs(x)
+    for got in (ours(x), ps.function(lambda x: ours(x))(x)):
+        got_l, want_l = (got, want) if isinstance(got, list) else ([got], [want])
+        assert len(got_l) == len(want_l)
+        for g, w in zip(got_l, want_l):
+            assert g.dtype == jnp.bfloat16
+            assert keras_bf16.backend.standardize_dtype(w.dtype) == "bfloat16"
+            np.testing.assert_allclose(_f32(g), _f32(w), rtol=4e-2, atol=4e-2)
+    # Gradients of the float32 variables are float32.
+    grads = ps.grad(lambda: jnp.sum(ours(x)[0]), ours)()
+    assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+
+
+@pytest.mark.tf
+def test_bidirectional_dtype_is_its_input_cast_only_as_keras(keras_bf16):
+    """The two directions keep the wrapped layer's policy; Bidirectional's casts its input and
+    the outputs it merges (not the states)."""
+    x = rand(2, 3, 3)
+    k = keras_bf16
+    bf16 = {"dtype": "mixed_bfloat16"}
+    cases = [
+        (ps.nn.LSTM(4, **bf16), {}, k.layers.LSTM(4, **bf16), {}),
+        (ps.nn.GRU(4, return_state=True), bf16, k.layers.GRU(4, return_state=True), bf16),
+    ]
+    for layer, kw, their_layer, their_kw in cases:
+        ours = ps.nn.Bidirectional(layer, **kw)
+        theirs = k.layers.Bidirectional(their_layer, **their_kw)
+        got, want = ours(x), theirs(x)
+        got, want = (got, want) if isinstance(got, list) else ([got], [want])
+        assert [str(a.dtype) for a in got] == [k.backend.standardize_dtype(w.dtype) for w in want]
+        assert ours.forward_layer.dtype_policy.name == theirs.forward_layer.dtype_policy.name
+        assert ours.backward_layer.compute_dtype == theirs.backward_layer.compute_dtype
+        assert all(v.dtype == jnp.float32 for v in ours.variables)
+
+
+@pytest.mark.tf
+def test_regularized_lstm_loss_equals_keras(keras):
+    hooks = {
+        "kernel_regularizer": "l2",
+        "recurrent_regularizer": ps.regularizers.L1(0.5),
+        "bias_regularizer": ps.regularizers.L1L2(l1=0.1, l2=0.2),
+    }
+    ours = ps.nn.LSTM(4, **hooks)
+    ours.build((None, 3, 3))
+    _randomize(ours)
+    theirs = keras.layers.LSTM(
+        4,
+        kernel_regularizer="l2",
+        recurrent_regularizer=keras.regularizers.L1(0.5),
+        bias_regularizer=keras.regularizers.L1L2(l1=0.1, l2=0.2),
+    )
+    theirs.build((None, 3, 3))
+    theirs.set_weights(ours.get_weights())
+    want = sum(float(x) for x in theirs.losses)
+    assert len(theirs.losses) == 3
+    np.testing.assert_allclose(float(ps.regularization_loss(ours)), want, rtol=1e-6)
+    assert isinstance(ours.recurrent_kernel.regularizer, ps.regularizers.L1)
+    assert isinstance(ours.recurrent_regularizer, ps.regularizers.L1)
+    # Bidirectional's copies carry the same hooks: twice the penalty of equal weights.
+    bi = ps.nn.Bidirectional(ps.nn.GRU(4, **hooks))
+    bi.build((None, 3, 3))
+    bi.backward_layer.set_weights(bi.forward_layer.get_weights())
+    one = float(ps.regularization_loss(bi.forward_layer))
+    assert one > 0
+    np.testing.assert_allclose(float(ps.regularization_loss(bi)), 2 * one, rtol=1e-6)
+
+
+@pytest.mark.tf
+def test_constraints_are_applied_by_an_optimizer_step(keras):
+    layer = ps.nn.LSTM(
+        4,
+        kernel_constraint=ps.constraints.MaxNorm(1.0),
+        recurrent_constraint="non_neg",
+        bias_constraint="unit_norm",
+        dtype="mixed_bfloat16",
+    )
+    x = rand(2, 3, 3)
+    layer(x)
+    _randomize(layer)
+    before = [v.numpy() for v in layer.weights]  # kernel, recurrent_kernel, bias
+    opt = ps.Optimizer(__import__("optax").sgd(0.5), layer.weights)
+    grads = ps.grad(lambda: jnp.sum(layer(x).astype(jnp.float32) ** 2), layer.weights)()
+    ps.function(lambda: opt.apply_gradients(grads))()
+    k, rk, b = (w - 0.5 * np.asarray(g) for w, g in zip(before, grads))
+    expected = [
+        keras.constraints.MaxNorm(1.0)(k),
+        keras.constraints.NonNeg()(rk),
+        keras.constraints.UnitNorm()(b),
+    ]
+    for v, want in zip(layer.weights, expected):
+        assert v.dtype == jnp.float32
+        np.testing.assert_allclose(v.numpy(), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert (layer.recurrent_kernel.numpy() >= 0).all()
+
+
+def test_bad_hooks_and_dtype_name_the_layer_and_create_nothing(fresh_store):
+    with pytest.raises(ValueError, match=r"LSTM: recurrent_regularizer: Unknown .*'l3'.*'l2'"):
+        ps.nn.LSTM(4, recurrent_regularizer="l3")
+    with pytest.raises(ValueError, match=r"GRU: recurrent_constraint: "):
+        ps.nn.GRU(4, recurrent_constraint="positive")
+    with pytest.raises(ValueError, match=r"GRU '\w+': dtype=int32 is not a floating.*Pass"):
+        ps.nn.GRU(4, dtype="int32")
+    with pytest.raises(ValueError, match=r"Bidirectional '\w+': dtype=int32"):
+        ps.nn.Bidirectional(ps.nn.LSTM(2), dtype="int32")
+    assert list(fresh_store.variables()) == []
