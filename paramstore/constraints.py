@@ -84,12 +84,14 @@ class MaxNorm(Constraint):
         self.axis = axis
 
     def __call__(self, w: ArrayLike) -> jax.Array:
+        """``w`` rescaled so that its norm along ``axis`` is at most ``max_value`` (Keras 3's formula)."""
         w = jnp.asarray(w)
         norms = _norms(w, self.axis)
         desired = jnp.clip(norms, 0, self.max_value)
         return w.astype(norms.dtype) * (desired / (EPSILON + norms))
 
     def get_config(self) -> dict[str, Any]:
+        """``{"max_value": ..., "axis": ...}``, as Keras' ``get_config``."""
         return {"max_value": self.max_value, "axis": self.axis}
 
 
@@ -97,6 +99,7 @@ class NonNeg(Constraint):
     """Negative entries set to zero (``keras.constraints.NonNeg``)."""
 
     def __call__(self, w: ArrayLike) -> jax.Array:
+        """``w`` with its negative entries set to zero."""
         w = jnp.asarray(w)
         return jnp.maximum(w, jnp.zeros((), w.dtype))
 
@@ -108,11 +111,13 @@ class UnitNorm(Constraint):
         self.axis = axis
 
     def __call__(self, w: ArrayLike) -> jax.Array:
+        """``w`` divided by its norm along ``axis`` (Keras 3's epsilon)."""
         w = jnp.asarray(w)
         norms = _norms(w, self.axis)
         return w.astype(norms.dtype) / (EPSILON + norms)
 
     def get_config(self) -> dict[str, Any]:
+        """``{"axis": ...}``, as Keras' ``get_config``."""
         return {"axis": self.axis}
 
 
@@ -129,6 +134,7 @@ class MinMaxNorm(Constraint):
         self.axis = axis
 
     def __call__(self, w: ArrayLike) -> jax.Array:
+        """``w`` rescaled so that its norm along ``axis`` moves (by ``rate``) into ``[min_value, max_value]``."""
         w = jnp.asarray(w)
         norms = _norms(w, self.axis)
         desired = (
@@ -137,6 +143,7 @@ class MinMaxNorm(Constraint):
         return w.astype(norms.dtype) * (desired / (EPSILON + norms))
 
     def get_config(self) -> dict[str, Any]:
+        """``{"min_value", "max_value", "rate", "axis"}``, as Keras' ``get_config``."""
         return {
             "min_value": self.min_value,
             "max_value": self.max_value,

@@ -99,6 +99,7 @@ class L1L2(Regularizer):
         self.l2 = _factor(0.0 if l2 is None else l2, "l2")
 
     def __call__(self, x: ArrayLike) -> jax.Array:
+        """The penalty ``l1 * sum(|x|) + l2 * sum(x**2)``, a scalar."""
         x = jnp.asarray(x)
         penalty = jnp.zeros((), x.dtype)
         if self.l1 != 0.0:
@@ -108,6 +109,7 @@ class L1L2(Regularizer):
         return penalty
 
     def get_config(self) -> dict[str, Any]:
+        """``{"l1": ..., "l2": ...}``, as Keras' ``get_config``."""
         return {"l1": self.l1, "l2": self.l2}
 
 
@@ -118,10 +120,12 @@ class L1(Regularizer):
         self.l1 = _factor(0.01 if l1 is None else l1, "l1")
 
     def __call__(self, x: ArrayLike) -> jax.Array:
+        """The penalty ``l1 * sum(|x|)``, a scalar."""
         x = jnp.asarray(x)
         return jnp.asarray(self.l1, x.dtype) * jnp.sum(jnp.abs(x))
 
     def get_config(self) -> dict[str, Any]:
+        """``{"l1": ...}``, as Keras' ``get_config``."""
         return {"l1": self.l1}
 
 
@@ -132,10 +136,12 @@ class L2(Regularizer):
         self.l2 = _factor(0.01 if l2 is None else l2, "l2")
 
     def __call__(self, x: ArrayLike) -> jax.Array:
+        """The penalty ``l2 * sum(x**2)``, a scalar."""
         x = jnp.asarray(x)
         return jnp.asarray(self.l2, x.dtype) * jnp.sum(jnp.square(x))
 
     def get_config(self) -> dict[str, Any]:
+        """``{"l2": ...}``, as Keras' ``get_config``."""
         return {"l2": self.l2}
 
 
