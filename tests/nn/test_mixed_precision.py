@@ -208,7 +208,7 @@ def _copy_weights(ours, theirs):
     theirs.set_weights(fresh)
     if isinstance(ours, ps.nn.MultiHeadAttention):
         order = [
-            ours.weights[f"{s}/{p}"]
+            ours._kernels[f"{s}/{p}"]
             for s in ("query", "key", "value", "attention_output")
             for p in ("kernel", "bias")
         ]
@@ -302,7 +302,7 @@ def test_attention_softmax_and_norm_statistics_are_float32():
     att = ps.nn.MultiHeadAttention(1, 4, dtype="mixed_float16")
     big = np.full((1, 3, 4), 30.0, np.float32)
     att(big, big)
-    for v in att.weights.values():
+    for v in att.weights:
         v.assign(jnp.full(v.shape, 3.0, v.dtype) if v.ndim == 3 else jnp.zeros(v.shape))
     out = att(big, big)
     assert out.dtype == jnp.float16 and np.isfinite(f32(out)).all()
