@@ -87,16 +87,19 @@ from paramstore._core.interrupts import deferred
 from paramstore._core.placement import unplaced
 from paramstore._traverse import Key, Relative
 from paramstore._variable import abstract as _abstract
+from paramstore.constraints import constrained
 from paramstore.function import function
 from paramstore.module import Module
 from paramstore.optimizer import placement
 from paramstore.optimizer.abstract import abstract_state, any_abstract, defer_init
 from paramstore.optimizer.grads import Targets
 from paramstore.optimizer.slots import (
+    as_state_array,
     hyperparam_leaves,
     replicated_like,
     slot_names,
     state_sharding,
+    zero_int32,
 )
 from paramstore.typing import SlotSharding, ValueLike, VariablesLike
 from paramstore.variable import Variable
@@ -210,7 +213,7 @@ class Optimizer(Module):
                 init_state = tx.init(targets.params())
             path_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(init_state)
             paths = [p for p, _ in path_leaves]
-            leaves = [leaf if abstract else _as_state_array(p, leaf) for p, leaf in path_leaves]
+            leaves = [leaf if abstract else as_state_array(p, leaf) for p, leaf in path_leaves]
         names, owners = slot_names(paths, [a.shape for a in leaves], targets.param_keys())
         self._placement = _Hidden(
             placement.plan(slot_sharding, slot_memory_kind, owners, leaves, replicated)
@@ -219,7 +222,7 @@ class Optimizer(Module):
         # each slot exactly where its variable is, whatever ps.device says
         with unplaced(), _abstract.abstract() if abstract else contextlib.nullcontext():
             self._iterations = Variable(
-                _zero_int32 if abstract else zero,  # abstract: an initializer, no array held
+                zero_int32 if abstract else zero,  # abstract: an initializer, no array held
                 trainable=False,
                 name="iterations",
                 sharding=state_sharding(None, zero, replicated),
@@ -432,38 +435,6 @@ class Optimizer(Module):
             f"variables, {len(self._state_variables)} state variables, "
             f"iterations={self._iterations.value()!s}>"
         )
-
-
-def constrained(var: Variable, x: Any) -> Any:
-    """``var.constraint(x)``, checked to keep the shape and dtype (before anything is
-    assigned: a step is all or nothing)."""
-    x = jnp.asarray(x).astype(var.dtype)
-    constraint = var.constraint
-    assert constraint is not None
-    out = constraint(x)
-    if tuple(jnp.shape(out)) != var.shape or jnp.result_type(out) != var.dtype:
-        raise ValueError(
-            f"ps.Optimizer: the constraint of variable '{var.name}' ({var.constraint!r:.60}) "
-            f"returned shape {tuple(jnp.shape(out))} dtype {jnp.result_type(out)} for its "
-            f"{var.shape} {var.dtype} value; a constraint must keep both. Nothing was changed."
-        )
-    return out
-
-
-def _zero_int32() -> jax.Array:
-    return jnp.zeros((), jnp.int32)
-
-
-def _as_state_array(path: Any, leaf: Any) -> jax.Array:
-    """An optax state leaf as a strongly typed array (one signature), or a TypeError."""
-    try:
-        arr = jnp.asarray(leaf)
-        return jnp.asarray(arr, dtype=arr.dtype)  # drop weak types
-    except TypeError:
-        raise TypeError(
-            f"ps.Optimizer: the optax state has a leaf at {jax.tree_util.keystr(path)} "
-            f"that is not an array ({type(leaf).__name__}); it cannot be a Variable."
-        ) from None
 
 
 def _all_arrays(tree: Any) -> bool:

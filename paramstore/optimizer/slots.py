@@ -25,12 +25,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from paramstore._core.ownership import ownership
 
-__all__ = ["slot_names", "hyperparam_leaves", "state_sharding", "replicated_like"]
+__all__ = [
+    "slot_names",
+    "hyperparam_leaves",
+    "state_sharding",
+    "replicated_like",
+    "as_state_array",
+    "zero_int32",
+]
 
 Path = tuple[Any, ...]
 
@@ -125,3 +134,20 @@ def state_sharding(owner: Any, leaf: Any, replicated: Sharding | None) -> Shardi
     if want is not None and getattr(leaf, "sharding", None) == want:
         return None  # already there (optax made it from the parameter): no copy
     return want
+
+
+def zero_int32() -> jax.Array:
+    """A scalar int32 zero (an optimizer's ``iterations`` initializer)."""
+    return jnp.zeros((), jnp.int32)
+
+
+def as_state_array(path: Any, leaf: Any) -> jax.Array:
+    """An optax state leaf as a strongly typed array (one signature), or a TypeError."""
+    try:
+        arr = jnp.asarray(leaf)
+        return jnp.asarray(arr, dtype=arr.dtype)  # drop weak types
+    except TypeError:
+        raise TypeError(
+            f"ps.Optimizer: the optax state has a leaf at {jax.tree_util.keystr(path)} "
+            f"that is not an array ({type(leaf).__name__}); it cannot be a Variable."
+        ) from None
