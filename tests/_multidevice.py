@@ -54,6 +54,13 @@ def session_results(tmp_path_factory: Any, test_file: str, stem: str) -> dict[st
         try:
             if not out.exists():
                 env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+                flags = [  # the file forces its own device count; other flags pass (conftest's)
+                    flag
+                    for flag in os.environ.get("XLA_FLAGS", "").split()
+                    if not flag.startswith("--xla_force_host_platform_device_count")
+                ]
+                if flags:
+                    env["XLA_FLAGS"] = " ".join(flags)
                 # this checkout's paramstore, not the one the environment has installed
                 # (and the tests' shared helpers, which the test file imports as a script too)
                 tests_dir = Path(__file__).resolve().parent

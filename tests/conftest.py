@@ -7,7 +7,19 @@ import os
 
 import pytest
 
-import paramstore as ps
+# The suite's programs are tiny and each compiled once or twice: XLA's CPU backend spends most
+# of a compile in LLVM's optimization passes, which buy nothing here. Level 0 halves the suite's
+# compile time; what the tests check is unchanged (the HLO passes, and so op counts, flops and
+# buffer sizes, are the same; LLVM keeps IEEE semantics at every level). Set before JAX starts
+# its backend; inherited by the subprocesses (benchmark smoke tests, notebook kernels).
+# PARAMSTORE_TEST_XLA_OPT=1 keeps XLA's default optimization.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("PARAMSTORE_TEST_XLA_OPT") != "1" and _FAST_COMPILE not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+
+import paramstore as ps  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

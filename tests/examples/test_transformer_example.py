@@ -22,8 +22,16 @@ def _example():
 @pytest.mark.slow
 def test_small_configuration_trains_and_restores(tmp_path):
     ex = _example()
-    config = ex.Config(
-        steps=120, fuse=20, corpus_mb=0.5, sample_chars=40, output_dir=str(tmp_path), progress=False
+    config = ex.Config(  # small enough to train in seconds; the loss still falls by > 1
+        steps=120,
+        fuse=20,
+        batch_size=8,
+        seq_len=32,
+        d_model=32,
+        corpus_mb=0.5,
+        sample_chars=40,
+        output_dir=str(tmp_path),
+        progress=False,
     )
     out = io.StringIO()
     result = ex.train(config, out=out)
