@@ -20,7 +20,7 @@ Contract (docs/api.md, "Weight averaging, constraints and regularizers"):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +28,6 @@ from jax.typing import ArrayLike, DTypeLike
 
 from paramstore._core.keras_objects import Registry, abstract_call
 from paramstore.typing import ConstraintLike
-
-if TYPE_CHECKING:  # the variable module imports this one
-    from paramstore.variable import Variable
 
 __all__ = [
     "Constraint",
@@ -46,7 +43,6 @@ __all__ = [
     "non_neg",
     "serialize",
     "unit_norm",
-    "constrained",
 ]
 
 EPSILON = 1e-7  # keras.backend.epsilon()
@@ -220,19 +216,3 @@ def check(
             f"shape and dtype {tuple(shape)} {jnp.dtype(dtype)}, but returns {got[0]} {got[1]}. "
             "A constraint projects the value (e.g. clips its norm); it cannot reshape or cast it."
         )
-
-
-def constrained(var: Variable, x: Any) -> Any:
-    """``var.constraint(x)``, checked to keep the shape and dtype (before anything is
-    assigned: a step is all or nothing)."""
-    x = jnp.asarray(x).astype(var.dtype)
-    constraint = var.constraint
-    assert constraint is not None
-    out = constraint(x)
-    if tuple(jnp.shape(out)) != var.shape or jnp.result_type(out) != var.dtype:
-        raise ValueError(
-            f"ps.Optimizer: the constraint of variable '{var.name}' ({var.constraint!r:.60}) "
-            f"returned shape {tuple(jnp.shape(out))} dtype {jnp.result_type(out)} for its "
-            f"{var.shape} {var.dtype} value; a constraint must keep both. Nothing was changed."
-        )
-    return out

@@ -87,7 +87,6 @@ from paramstore._core.interrupts import deferred
 from paramstore._core.placement import unplaced
 from paramstore._traverse import Key, Relative
 from paramstore._variable import abstract as _abstract
-from paramstore.constraints import constrained
 from paramstore.function import function
 from paramstore.module import Module
 from paramstore.optimizer import placement
@@ -95,6 +94,7 @@ from paramstore.optimizer.abstract import abstract_state, any_abstract, defer_in
 from paramstore.optimizer.grads import Targets
 from paramstore.optimizer.slots import (
     as_state_array,
+    constrained,
     hyperparam_leaves,
     replicated_like,
     slot_names,

@@ -23,7 +23,7 @@ Contract (used by ``ps.Optimizer``; see its docstring for the naming rule):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from paramstore._core.ownership import ownership
 
+if TYPE_CHECKING:
+    from paramstore.variable import Variable
+
 __all__ = [
     "slot_names",
     "hyperparam_leaves",
@@ -39,6 +42,7 @@ __all__ = [
     "replicated_like",
     "as_state_array",
     "zero_int32",
+    "constrained",
 ]
 
 Path = tuple[Any, ...]
@@ -151,3 +155,19 @@ def as_state_array(path: Any, leaf: Any) -> jax.Array:
             f"ps.Optimizer: the optax state has a leaf at {jax.tree_util.keystr(path)} "
             f"that is not an array ({type(leaf).__name__}); it cannot be a Variable."
         ) from None
+
+
+def constrained(var: Variable, x: jax.Array) -> jax.Array:
+    """``var.constraint(x)``, checked to keep the shape and dtype (before anything is
+    assigned: a step is all or nothing)."""
+    x = jnp.asarray(x).astype(var.dtype)
+    constraint = var.constraint
+    assert constraint is not None
+    out: jax.Array = constraint(x)
+    if tuple(jnp.shape(out)) != var.shape or jnp.result_type(out) != var.dtype:
+        raise ValueError(
+            f"ps.Optimizer: the constraint of variable '{var.name}' ({var.constraint!r:.60}) "
+            f"returned shape {tuple(jnp.shape(out))} dtype {jnp.result_type(out)} for its "
+            f"{var.shape} {var.dtype} value; a constraint must keep both. Nothing was changed."
+        )
+    return out
