@@ -27,6 +27,7 @@ from paramstore.checkpoint.formats.tensorflow import checkpoint as _tf
 from paramstore.checkpoint.formats.tensorflow.keras import KerasWeights, is_hdf5
 from paramstore.checkpoint.io import check_regular, path_lock
 
+_RESCANS = 5  # listings of a directory whose checkpoints vanish while it is read
 CKPT_RE = re.compile(r"^ckpt-(?P<step>\d+)(?P<file>\.safetensors)?$")
 
 
@@ -202,15 +203,24 @@ def scan(directory: str) -> list[tuple[int, str]]:
     written, oldest first (``checkpoint.atomic.order_key``: modification times, which
     ``CheckpointManager`` keeps increasing, then steps): files ``ckpt-<step>.safetensors``
     and sharded checkpoint directories ``ckpt-<step>`` (temporaries do not match)."""
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
-    for name in names:
-        m = CKPT_RE.match(name)
-        path = os.path.join(directory, name)
-        if m and (os.path.isfile(path) if m["file"] else _orbax.is_checkpoint(path)):
-            step = int(m["step"])
-            found.append((order_key(path, step), step, path))
+    # A manager in another process may replace its one checkpoint between the listing and
+    # the checks (the old one pruned, the new one renamed in after the listing): when every
+    # checkpoint listed has vanished, the directory is listed again (a few times).
+    for _ in range(_RESCANS):
+        try:
+            names = os.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found, listed = [], 0
+        for name in names:
+            m = CKPT_RE.match(name)
+            if not m:
+                continue
+            listed += 1
+            path = os.path.join(directory, name)
+            if os.path.isfile(path) if m["file"] else _orbax.is_checkpoint(path):
+                step = int(m["step"])
+                found.append((order_key(path, step), step, path))
+        if found or not listed:
+            break
     return [(step, path) for _, step, path in sorted(found)]

@@ -145,6 +145,10 @@ def train(process_id: int, port: int, directory: str) -> None:
             _corrupt_copy_is_refused_by_every_process(directory, variables, process_id)
     assert step.trace_count == 1
     sys.stdout.flush()
+    # Both reach this point before either dies: a process still inside save(4)'s
+    # cross-process steps when its peer is killed is aborted by JAX's coordination
+    # service (rc -6) instead of killing itself mid-write.
+    multihost_utils.sync_global_devices("kill")
     os.kill(os.getpid(), signal.SIGKILL)  # killed while step 4 is written
 
 
