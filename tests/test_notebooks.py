@@ -21,6 +21,7 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 pytest.importorskip("sklearn")
 
+from conftest import FAST_COMPILE  # noqa: E402
 from jupyter_client import KernelManager  # noqa: E402
 from jupyter_client.kernelspec import KernelSpec  # noqa: E402
 
@@ -29,7 +30,6 @@ TIMEOUT_PER_CELL = 120
 # Notebooks whose time goes to running compiled steps (300 training steps), not to compiling:
 # XLA's default optimization, not the suite's fast compiles (tests/conftest.py).
 EXECUTION_BOUND = {"07_transformer"}
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes")
 
 
 class _ThisPythonKernel(KernelManager):
@@ -82,7 +82,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     if path.stem in EXECUTION_BOUND:
         flags = os.environ.get("XLA_FLAGS", "").split()
-        keep = [f for f in flags if not f.startswith(FAST_COMPILE_FLAGS)]
+        keep = [f for f in flags if f not in FAST_COMPILE.split()]
         monkeypatch.setenv("XLA_FLAGS", " ".join(keep))
     km = _ThisPythonKernel(kernel_name="python3", connection_file=str(tmp_path / "kernel.json"))
     client = nbclient.NotebookClient(
