@@ -61,9 +61,9 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 
 from paramstore._core import frames as _trace
-from paramstore._core.context import FREEZES
+from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import ARRAY_TYPE
-from paramstore._core.ownership import ownership
+from paramstore._core.ownership import StaleProgram, ownership
 from paramstore._function.entry import Entry
 from paramstore._function.static import split, static_args, unhashable_message
 from paramstore._function.trace import Shardings, is_ref, trace_signature
@@ -178,8 +178,12 @@ class Function(Generic[P, R]):
                 fast.append(a.aval)  # type: ignore[attr-defined]
             else:
                 entry = self._fast.get(tuple(fast))
-                if entry is not None and entry.epoch == FREEZES.epoch:
-                    return entry(list(args))  # type: ignore[no-any-return]
+                if entry is not None and entry.epoch == TRACE_EPOCH.epoch:
+                    try:
+                        return entry(list(args))  # type: ignore[no-any-return]
+                    except StaleProgram:  # a reshard in another thread since the check:
+                        entry.epoch = -1  # checked again below, and traced anew
+
         if self._bound is not None:
             instance = self._bound()
             if instance is None:
@@ -187,10 +191,16 @@ class Function(Generic[P, R]):
             args = (instance, *args)  # type: ignore[assignment]
         if _trace.active():
             return self._fn(*args, **kwargs)  # inside another ps.function or ps.pure: inline
-        entry, leaves, fast_key = self._entry(tuple(args), dict(kwargs))
-        if fast_key is not None:
-            self._fast[fast_key] = entry
-        return entry(leaves)  # type: ignore[no-any-return]
+        while True:
+            entry, leaves, fast_key = self._entry(tuple(args), dict(kwargs))
+            if fast_key is not None:
+                self._fast[fast_key] = entry
+            try:
+                return entry(leaves)  # type: ignore[no-any-return]
+            except StaleProgram:
+                # ps.sharding.reshard moved a variable it assigns since _entry checked
+                # (nothing ran): _entry checks the entry again, finds it stale, traces anew
+                entry.epoch = -1
 
     def lower(self, *args: P.args, **kwargs: P.kwargs) -> jax.stages.Lowered:
         """JAX's ``Lowered`` for the program a call with these arguments runs (its
@@ -226,8 +236,8 @@ class Function(Generic[P, R]):
             entry = self._cache.get(key)
         except TypeError:
             raise TypeError(unhashable_message(self._name, static)) from None
-        if entry is not None and entry.epoch != FREEZES.epoch and not entry.flags_hold():
-            with self._lock:  # a trainable flag it saw has changed: trace it anew
+        if entry is not None and entry.epoch != TRACE_EPOCH.epoch and not entry.still_holds():
+            with self._lock:  # a flag or sharding it saw has changed: trace anew
                 self._evict(key)
                 entry = None
         if entry is None or (entry.ref_pos and not entry.alive(leaves)):

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "FREEZES"]
+__all__ = ["ctx", "Scope", "prefixed", "STATE_LOCK", "TRACE_EPOCH"]
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,14 @@ def prefixed(name: str, *, variable_scopes_only: bool = False) -> str:
 STATE_LOCK = threading.RLock()
 
 
-class _Freezes:
-    """How many times a variable's ``trainable`` flag has changed (``v.trainable = ...``,
-    ``module.trainable = ...``), process-wide. A ``ps.function`` trace records it and,
-    when it has moved, checks the flags of the variables it captured (freezing between
-    calls takes effect: the trace is redone where a flag it saw changed)."""
+class _TraceEpoch:
+    """How many times something a ``ps.function`` trace depends on besides its signature
+    has changed, process-wide: a variable's ``trainable`` flag (``v.trainable = ...``,
+    ``module.trainable = ...``) or its sharding (``ps.sharding.reshard``). A trace records
+    the epoch and, when it has moved, checks the flags and shardings of the variables it
+    captured: the trace is redone where one it saw changed (freezing between calls takes
+    effect; a step compiled before a reshard does not write its variables back on their old
+    shardings)."""
 
     __slots__ = ("epoch", "_count")
 
@@ -82,4 +85,4 @@ class _Freezes:
         self.epoch = next(self._count)
 
 
-FREEZES = _Freezes()
+TRACE_EPOCH = _TraceEpoch()

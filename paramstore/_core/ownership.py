@@ -75,10 +75,10 @@ from typing import Any
 
 import jax
 
-from paramstore._core.context import STATE_LOCK
+from paramstore._core.context import STATE_LOCK, TRACE_EPOCH
 from paramstore._core.interrupts import deferred
 
-__all__ = ["Ownership", "ownership", "Owned", "Program"]
+__all__ = ["Ownership", "ownership", "Owned", "Program", "StaleProgram"]
 
 _VALUE = operator.attrgetter("_value")
 _GIVEN = operator.attrgetter("_given")
@@ -102,6 +102,12 @@ class Owned:
 _SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the slot's setter
 
 
+class StaleProgram(Exception):
+    """Raised by ``ownership.call`` (nothing run, nothing written) for a program whose
+    assigned variables are no longer on the shardings it was compiled to write them on
+    (``ps.sharding.reshard`` moved one since): the function machinery traces anew."""
+
+
 class Program:
     """One compiled program of the function machinery, registered once: ``runner(donated
     arrays, read-only arrays, leaves)`` returns ``(new values of assigned, outputs)``;
@@ -112,7 +118,7 @@ class Program:
 
     __slots__ = (
         "runner", "donated", "readonly", "assigned", "shared", "donate", "wait", "steady",
-        "n_donated", "copy_first", "warm", "fast", "version", "last",
+        "n_donated", "copy_first", "warm", "fast", "version", "last", "layout", "epoch",
     )  # fmt: skip
 
     def __init__(
@@ -140,6 +146,24 @@ class Program:
         self.fast = False  # warm, steady and no host callbacks: the steady path
         self.version = -1
         self.last: tuple[Any, Any] = ((), ())
+        # The shardings its runner writes the assigned variables back on (jit's
+        # out_shardings pin them): checked again when TRACE_EPOCH moved (a reshard).
+        self.layout = _layout(self.assigned)
+        self.epoch = TRACE_EPOCH.epoch
+
+    def current(self) -> bool:
+        """Whether the assigned variables are still on the shardings the program writes
+        (hold the lock for an answer that stays true until the call)."""
+        if self.epoch == TRACE_EPOCH.epoch:
+            return True
+        if _layout(self.assigned) != self.layout:
+            return False
+        self.epoch = TRACE_EPOCH.epoch
+        return True
+
+
+def _layout(variables: Sequence[Owned]) -> tuple[Any, ...]:
+    return tuple(getattr(_VALUE(v), "sharding", None) for v in variables)
 
 
 def _on_cpu(var: Owned) -> bool:
@@ -323,7 +347,9 @@ class Ownership:
         with self.lock:
             if self.version == p.version and self.cached is p:
                 don, ro = p.last  # the steady path, inlined: ~0.1 us a call
-            else:
+            else:  # (a reshard writes, so it ends the steady path: checked here)
+                if p.epoch != TRACE_EPOCH.epoch and not p.current():
+                    raise StaleProgram
                 don, ro = self.step_inputs(p)
             self.version += 1  # before the donation: no cache outlives the inputs
             # Dispatch (jit's C++ path: warm) and keep the results in one C call, then
@@ -351,6 +377,8 @@ class Ownership:
             if p.wait:
                 return self._call_and_wait(p, leaves)
             with self.lock:
+                if not p.current():
+                    raise StaleProgram
                 first = not p.warm
                 if first and p.copy_first:
                     self.release_cached()
@@ -377,6 +405,8 @@ class Ownership:
         results only after it finished; the lock is not held while it runs (a host
         callback may read a variable), so the inputs are recorded as given first."""
         with self.lock:
+            if not p.current():
+                raise StaleProgram
             don = [self.hand_out(v) for v in p.donated]
             ro = [self.hand_out(v) for v in p.readonly]
         new, out = jax.block_until_ready(p.runner(don, ro, leaves))  # type: ignore[no-untyped-call]

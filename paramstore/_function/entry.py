@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from paramstore._core.context import FREEZES
+from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import EVAL, current_trace, staging
 from paramstore._core.ownership import Program, ownership
 from paramstore.variable import Variable
@@ -60,18 +60,21 @@ class Entry:
         self.refs = [weakref.ref(r) for r in refs]
         self.array_pos = [i for i in range(n_leaves) if i not in set(ref_pos)]
         self.tick = next(_CLOCK)  # when last called, for least-recently-used eviction
-        # The trainable flags the trace saw (freezing between calls must take effect):
-        # checked again only when some flag somewhere has changed since (FREEZES.epoch).
+        # The trainable flags the trace saw (freezing between calls must take effect) and
+        # the shardings its program writes back on (Program.current): checked again only
+        # when some flag or sharding somewhere has changed since (TRACE_EPOCH).
         self.moved = list({id(v): v for v in (*donated, *readonly, *assigned)}.values())
         self.flags = [v.trainable for v in self.moved]
-        self.epoch = FREEZES.epoch
+        self.epoch = TRACE_EPOCH.epoch
 
-    def flags_hold(self) -> bool:
-        """Whether the variables' trainable flags are those the trace saw (then the entry
-        is current again; else it must be traced anew)."""
+    def still_holds(self) -> bool:
+        """Whether the variables' trainable flags and shardings are those the trace saw
+        (then the entry is current again; else it must be traced anew)."""
         if [v.trainable for v in self.moved] != self.flags:
             return False
-        self.epoch = FREEZES.epoch
+        if not self.program.current():
+            return False
+        self.epoch = TRACE_EPOCH.epoch
         return True
 
     def __call__(self, leaves: list[Any]) -> Any:

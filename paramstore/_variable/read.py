@@ -19,7 +19,7 @@ from jax.sharding import Sharding
 
 from paramstore._core import frames as _trace
 from paramstore._core import html as _html
-from paramstore._core.context import FREEZES
+from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import EVAL, Tracer, current_trace
 from paramstore._core.ownership import Owned, ownership
 from paramstore._variable.initial import flag
@@ -87,7 +87,7 @@ class Reads(ArrayOps, Owned):
         flag(value, "trainable", f"Variable '{self._name}'")
         value = bool(value)
         if value != self.trainable or (value and self._frozen):
-            FREEZES.bump()
+            TRACE_EPOCH.bump()
         self._trainable = value  # type: ignore[misc]  # a slot of Variable
         if value:
             self._frozen = False  # type: ignore[misc]
@@ -97,7 +97,7 @@ class Reads(ArrayOps, Owned):
         ``layer.trainable`` sets its trainable variables' flags: a variable whose own flag
         is False (created non-trainable, or ``v.trainable = False``) stays non-trainable."""
         if frozen != self._frozen and self._trainable:
-            FREEZES.bump()
+            TRACE_EPOCH.bump()
         self._frozen = frozen  # type: ignore[misc]
 
     @property

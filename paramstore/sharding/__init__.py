@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from paramstore._collect import variables_of
 from paramstore._core import frames as _trace
+from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.interrupts import deferred
 from paramstore._core.layout import Layout, LayoutMap, Partition, axis_rules
 from paramstore._core.ownership import ownership
@@ -133,6 +134,8 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
     variable's shape before any variable moves: a sharding that does not fit raises
     ``ValueError`` naming the variable, and then no variable changes. The moves are
     atomic, as a restore is: a compiled step in another thread sees all of them or none.
+    A ``ps.function`` compiled before the move traces again on its next call (its program
+    would write the variables back on their old shardings).
     """
     if _trace.active():
         raise RuntimeError(
@@ -149,6 +152,7 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
     with ownership.lock:
         moved = [ownership.copy(v, sh) for v, sh in targets]
         ownership.write_many([v for v, _ in targets], moved)
+        TRACE_EPOCH.bump()  # the programs that pinned the old shardings: traced anew
 
 
 def plan(variables: list[Variable], sharding: ShardingTargets) -> list[tuple[Variable, Sharding]]:

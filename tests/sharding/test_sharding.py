@@ -41,6 +41,7 @@ from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import paramstore as ps
+from paramstore._core.context import TRACE_EPOCH
 
 CHECKS: dict[str, Callable[[], None]] = {}
 
@@ -697,7 +698,7 @@ def check_reshard_racing_a_step_is_atomic():
     t = threading.Thread(target=stepping, daemon=True)
     t.start()
     try:
-        for i in range(40):
+        for i in range(41):
             ps.sharding.reshard([a, b], targets[i % 2])
             _block([a.value(), b.value()])
             # never one moved and the other not (a step returns both as it compiled them)
@@ -708,8 +709,52 @@ def check_reshard_racing_a_step_is_atomic():
     assert not t.is_alive(), f"the stepping thread is still running after {BOUND} s"
     assert not failures, repr(failures[0])
     assert steps[0] > 0
+    _block(step())  # the last reshard (to targets[0]) holds: no step writes on an old sharding
+    steps[0] += 1
+    assert a.sharding == b.sharding == targets[0], (a.sharding, b.sharding)
     np.testing.assert_array_equal(a.numpy(), np.full(64, float(steps[0])))
     np.testing.assert_array_equal(b.numpy(), np.full(64, 100.0 + steps[0]))
+
+
+@check
+def check_a_step_compiled_before_a_reshard_writes_on_the_new_sharding():
+    """A ps.function traced before a reshard traces again on its next call (its program's
+    out_shardings pinned the old layout); one whose variables did not move does not; a call
+    that checked before a reshard in another thread (simulated) retraces, nothing lost."""
+    mesh = auto_mesh((8,), ("x",))
+    split, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    v = ps.Variable(np.zeros(16, np.float32), name="v", sharding=split)
+    w = ps.Variable(np.zeros(16, np.float32), name="w", sharding=split)
+
+    @ps.function
+    def step():
+        v.assign_add(1.0)
+        return v.value().sum()
+
+    @ps.function
+    def other():
+        w.assign_add(1.0)
+
+    assert float(step()) == 16.0
+    other()
+    ps.sharding.reshard(v, whole)
+    assert float(step()) == 32.0
+    assert v.sharding == whole, v.sharding
+    assert step.trace_count == 2, step.trace_count
+    step()  # current again: no further trace
+    other()  # its variable did not move: its trace holds
+    assert (step.trace_count, other.trace_count) == (2, 1)
+    assert w.sharding == split
+    # A call on the fast path that checked the epoch before another thread's reshard bumped
+    # it: ownership refuses the stale program under the lock (nothing runs), the call traces
+    # anew and runs once.
+    ps.sharding.reshard(v, split)
+    for entry in step._fast.values():
+        entry.epoch = TRACE_EPOCH.epoch
+    assert float(step()) == 64.0
+    assert v.sharding == split, v.sharding
+    assert step.trace_count == 3, step.trace_count
+    np.testing.assert_array_equal(v.numpy(), np.full(16, 4.0))
 
 
 # ========================================================================== the harness
