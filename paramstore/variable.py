@@ -41,17 +41,18 @@ Contract (see docs/api.md, "Variables"):
 The whole class is here: its fields (``__slots__``, each annotated once), creation, reads,
 the properties, ``repr``, copies, the assigns and the one write path; the hot paths
 (``value()``, ``assign``, the steady ``assign_add``) are written out in their methods, with
-no call layer. Its two bases hold shared behaviour, no state of the variable's own (see the
-class docstring). Cold logic is in free functions of ``_variable``: ``convert`` (checks and
-conversion of a new value or delta), ``creation`` / ``initial`` (arguments, first value,
-placement), ``abstract`` (initializers; ``set_initial_value``), ``text`` (the ``repr``).
+no call layer. Its two bases (see the class docstring): ``ArrayOps``, the operators it shares
+with ``VariableSlice``, and ``Owned``, the three fields only ownership touches. Cold logic is
+in free functions of ``_variable``: ``convert`` (checks and conversion of a new value or
+delta), ``creation`` / ``initial`` (arguments, first value, placement), ``abstract``
+(initializers; ``set_initial_value``), ``text`` (the ``repr``).
 
 Kinds: ``Variable``, ``_Detached`` (made so by a pytree unflatten, for good) and ``_Abstract``
 are classes here; the subclasses override what differs and add no slot, so a plain
 ``Variable`` never tests its kind on a hot path. A variable changes kind at exactly two
 places, by assigning ``__class__``: in ``Variable.__init__``, a variable created abstract
 becomes an ``_Abstract`` before its store registers it (nobody saw it before); in
-``_Abstract._write`` (reached only through ``set_initial_value``) it becomes a plain
+``_Abstract._write`` (which ``set_initial_value`` calls) it becomes a plain
 ``Variable``, once, under the state lock, in the critical section that writes its first
 value (no thread sees it concrete without a value). It never goes back.
 """
@@ -506,7 +507,7 @@ class _Abstract(Variable):
 
     def _coerce(self, value: Any, op: str, *, host: bool = False) -> Any:  # assign
         if self._bound():
-            return Variable._coerce(self, value, op, host=host)
+            return _convert.coerce(self, value, op, host=host)
         raise _abstract.error(self._name, "assigned")
 
     def __getattr__(self, name: str) -> Any:

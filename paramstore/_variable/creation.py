@@ -43,6 +43,7 @@ from paramstore._core.placement import check_fits
 from paramstore._variable import abstract as _abstract
 from paramstore._variable.initial import flag, parse_initial
 from paramstore._variable.ops import ArrayOps
+from paramstore.typing import ConstraintLike, RegularizerLike
 
 __all__ = ["MISSING", "check_arguments", "check_hooks", "shaped", "created", "abstract_value"]
 
@@ -57,7 +58,11 @@ Hook = Callable[[jax.Array], jax.Array]  # a resolved constraint or regularizer
 
 
 def check_arguments(
-    initial_value: Any, trainable: Any, name: Any, constraint: Any, regularizer: Any
+    initial_value: Any,
+    trainable: bool | None,
+    name: str | None,
+    constraint: ConstraintLike | None,
+    regularizer: RegularizerLike | None,
 ) -> tuple[Hook | None, Hook | None]:
     """``ps.Variable``'s arguments checked before anything is made (TypeError, ValueError);
     the constraint and regularizer resolved (a Keras name or dict, a callable, or None)."""
@@ -78,7 +83,7 @@ def check_arguments(
     return constraint, regularizer
 
 
-def check_hooks(constraint: Any, regularizer: Any, value: Any, name: str) -> None:
+def check_hooks(constraint: Hook | None, regularizer: Hook | None, value: Any, name: str) -> None:
     """A constraint must keep the value's shape and dtype, a regularizer give a scalar:
     checked abstractly before the variable exists (so a bad one creates nothing)."""
     if constraint is None and regularizer is None:
