@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paramstore as ps
-from paramstore._variable import write as _variable
+from paramstore import variable as _variable
 
 
 class Timed:

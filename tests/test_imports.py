@@ -513,9 +513,9 @@ VARIABLE_PACKAGE_INTERFACE = {
 }
 VARIABLE_LAYER = {
     "variable.py",
-    "_variable/read.py",
-    "_variable/write.py",
     "_variable/abstract.py",
+    "_variable/convert.py",
+    "_variable/text.py",
     "_core/ownership.py",
 }
 

@@ -25,10 +25,6 @@ SECTION = "API reference"
 OTHER = "Design"  # the nav section that receives pages nobody listed in mkdocs.yml
 # Public submodules that ``paramstore.__all__`` does not list (yet): documented all the same.
 EXTRA_MODULES = ("sharding",)
-# Classes whose methods live on private base classes (modules kept small: ``Variable`` is
-# ``_variable.read.Reads`` + ``_variable.write.Writes`` + its own): rendered with their
-# inherited members, which are their own API.
-SPLIT_CLASSES = ("paramstore.variable.Variable",)
 
 
 def public_names(module: ModuleType) -> list[str]:
@@ -76,16 +72,8 @@ def anchor(module: ModuleType, name: str) -> str:
     return path
 
 
-def _split_class(obj: Any) -> bool:
-    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}" in SPLIT_CLASSES
-
-
 def _page(title: str, module: ModuleType, members: list[str]) -> str:
-    plain = [
-        m
-        for m in members
-        if anchor(module, m) == f"{module.__name__}.{m}" and not _split_class(getattr(module, m))
-    ]
+    plain = [m for m in members if anchor(module, m) == f"{module.__name__}.{m}"]
     listed = "\n".join(f"        - {m}" for m in plain)
     text = (
         f"# {title}\n\n"
@@ -101,8 +89,6 @@ def _page(title: str, module: ModuleType, members: list[str]) -> str:
     for m in members:
         if m not in plain:
             text += f"\n::: {anchor(module, m)}\n    options:\n      show_root_full_path: false\n"
-            if _split_class(getattr(module, m)):
-                text += "      inherited_members: true\n"
     return text
 
 

@@ -1,1 +1,1 @@
-"""The parts of ``ps.Variable``: reads, writes, operators, slices, initial values, creation and abstract variables (the class itself is ``paramstore.variable``)."""
+"""The free functions and helper classes of ``ps.Variable`` (the class itself is ``paramstore.variable``): value checks and conversion, operators, slices, initial values, creation, abstract variables, ``repr`` text, references."""

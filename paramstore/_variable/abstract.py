@@ -19,18 +19,31 @@ larger than one device"):
   initializers run under their variables' names (``paramstore._core.seed.naming``), so each
   draws its own name-derived key: two variables never get equal values from one
   initializer, and a sharded variable gets exactly the values an unsharded one would.
+* ``set_initial_value(var, value)`` (public as ``paramstore.variable.set_initial_value``) is
+  the one way to make an abstract variable concrete (restores, ``ps.initialize``), and how a
+  restore gives any variable its value outside a compiled step.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Sharding
 
+from paramstore._core import frames as _trace
 from paramstore._core.context import ctx
+from paramstore._core.dtypes import shape_error
+from paramstore._core.ownership import ownership
+from paramstore._variable.convert import coerce
+from paramstore._variable.initial import fresh
+
+if TYPE_CHECKING:  # the class sits above this module: a name for annotations only
+    from paramstore.variable import Variable
 
 __all__ = [
     "abstract",
@@ -45,6 +58,7 @@ __all__ = [
     "forget",
     "spread",
     "Joint",
+    "set_initial_value",
 ]
 
 Make = Callable[[], Any]
@@ -159,3 +173,31 @@ def initializer_of(var: Any) -> tuple[bool, Make | None]:
 def forget(var: Any) -> None:
     """Drop ``var``'s initializer (it became concrete)."""
     var._initializer = _NONE
+
+
+def set_initial_value(var: Variable, value: Any, *, owned: bool | None = None) -> None:
+    """Give ``var`` the value ``value`` as its state, not as a step of a compiled program:
+    for a variable created in a ``ps.function`` trace whose initial value is still being
+    computed, ``value`` replaces that initial value when the trace completes; otherwise it
+    is written now (also while a trace is active). Used by deferred restoration.
+
+    The entry point that makes an ABSTRACT variable concrete (checkpoint restores,
+    ``ps.initialize``): ``value`` (a ``jax.Array``, ideally already on ``var.sharding``, or
+    a NumPy array, then put straight onto ``var.sharding``: each device receives only its
+    shard) is checked for dtype (lossless conversions only) and shape, placed on the
+    variable's sharding, and becomes its value; ``var.is_abstract`` is then False.
+    ``owned=True`` says nobody else holds ``value``'s buffer (default: worked out)."""
+    abstract = var.is_abstract
+    with jax.ensure_compile_time_eval(), _trace.no_frames():
+        # An abstract variable's own _coerce refuses every value: the plain conversion.
+        new = coerce(var, value, "restore") if abstract else var._coerce(value, "restore")
+        if isinstance(new, np.ndarray) and not var._is_string:
+            new = jax.device_put(new, var.sharding) if abstract else jnp.asarray(new)
+    if tuple(new.shape) != var.shape:
+        raise shape_error(var.name, var.shape, tuple(new.shape))
+    if owned is None:
+        owned = fresh(value, new)
+    if not abstract and var._pending():
+        ownership.initial(var, new)
+    else:
+        var._write(new, owned=owned)  # an abstract variable becomes concrete there

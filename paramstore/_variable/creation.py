@@ -12,6 +12,11 @@ sharding, ``paramstore._variable.abstract`` runs or defers the initializer):
   eager creation would. Anything else is computed as before and placed afterwards (the
   returned sharding), inside a ``ps.function`` trace by the program ``ps.function`` runs
   after the trace.
+* ``check_arguments(...)``: the checks of ``ps.Variable``'s arguments that come before
+  anything else (a missing ``initial_value``, a name or ``trainable`` of the wrong type,
+  constraints and regularizers resolved by name); ``check_hooks(...)``: a constraint keeps
+  the value's shape and dtype, a regularizer gives a scalar, checked abstractly before the
+  variable exists (so a bad one creates nothing).
 * ``abstract_value(...) -> (ShapeDtypeStruct with sharding, initializer or None)``: for a
   variable created inside ``ps.abstract()`` (or from a ``jax.ShapeDtypeStruct``, only
   allowed there): its initializer is traced, never run. One that cannot be traced on its
@@ -21,6 +26,7 @@ sharding, ``paramstore._variable.abstract`` runs or defers the initializer):
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,19 +34,70 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from paramstore import constraints as _constraints
+from paramstore import regularizers as _regularizers
 from paramstore._core import frames as _trace
-from paramstore._core.dtypes import canonical_dtype, shape_error
+from paramstore._core.dtypes import STRING, canonical_dtype, is_key_dtype, shape_error
 from paramstore._core.layout import Partition, check_partition, may_shard, target
 from paramstore._core.placement import check_fits
 from paramstore._variable import abstract as _abstract
-from paramstore._variable.initial import parse_initial
+from paramstore._variable.initial import flag, parse_initial
 from paramstore._variable.ops import ArrayOps
+from paramstore.typing import ConstraintLike, RegularizerLike
 
-__all__ = ["shaped", "created", "abstract_value"]
+__all__ = ["MISSING", "check_arguments", "check_hooks", "shaped", "created", "abstract_value"]
+
+MISSING: Any = object()  # ps.Variable's initial_value default: not given (a clear TypeError)
 
 
 def _lazy(initial_value: Any) -> bool:
     return callable(initial_value) and not isinstance(initial_value, (ArrayOps, jax.Array))
+
+
+Hook = Callable[[jax.Array], jax.Array]  # a resolved constraint or regularizer
+
+
+def check_arguments(
+    initial_value: Any,
+    trainable: bool | None,
+    name: str | None,
+    constraint: ConstraintLike | None,
+    regularizer: RegularizerLike | None,
+) -> tuple[Hook | None, Hook | None]:
+    """``ps.Variable``'s arguments checked before anything is made (TypeError, ValueError);
+    the constraint and regularizer resolved (a Keras name or dict, a callable, or None)."""
+    if initial_value is MISSING or initial_value is None:
+        raise TypeError(
+            "ps.Variable() missing required argument 'initial_value': an array-like, a "
+            "jax.Array, another Variable, or a zero-argument callable (e.g. lambda: "
+            "init((3, 4)))."
+        )
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"A variable's name must be a str, got {type(name).__name__}.")
+    if trainable is not None:
+        flag(trainable, "trainable", f"ps.Variable({name!r})" if name else "ps.Variable")
+    who = f"ps.Variable({name!r})"
+    constraint = _constraints.get(constraint, f"{who}: constraint")
+    regularizer = _regularizers.get(regularizer, f"{who}: regularizer")
+    _trace.check_create()
+    return constraint, regularizer
+
+
+def check_hooks(constraint: Hook | None, regularizer: Hook | None, value: Any, name: str) -> None:
+    """A constraint must keep the value's shape and dtype, a regularizer give a scalar:
+    checked abstractly before the variable exists (so a bad one creates nothing)."""
+    if constraint is None and regularizer is None:
+        return
+    shape, dtype = tuple(value.shape), value.dtype
+    if is_key_dtype(dtype) or np.dtype(dtype) == STRING:
+        raise TypeError(
+            f"Variable '{name}' holds {'PRNG keys' if is_key_dtype(dtype) else 'strings'}: it "
+            "cannot have a constraint or a regularizer (they apply to numbers)."
+        )
+    if constraint is not None:
+        _constraints.check(constraint, shape, dtype, name)
+    if regularizer is not None:
+        _regularizers.check(regularizer, shape, dtype, name)
 
 
 def shaped(initial_value: Any, shape: Any, dtype: Any, full_name: str) -> Any:

@@ -82,6 +82,7 @@ def test_every_use_of_an_abstract_variable_is_a_clear_error(fresh_store):
         "index": lambda: v[0] + 1,
         "assign": lambda: v.assign([1.0, 2.0]),
         "assign_add": lambda: v.assign_add([1.0, 1.0]),
+        "assign_add of its dtype": lambda: v.assign_add(jnp.ones(2)),  # skips _coerce
         "assign_sub": lambda: v.assign_sub([1.0, 1.0]),
         "sliced assign": lambda: v[0].assign(1.0),
         "step": step,
