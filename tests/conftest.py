@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
+from _lazy import oracle
 
 # The suite's programs are tiny and each compiled once or twice, so compiling is most of its
 # time (57% of a 284-test sample, at ~35 ms a program). XLA's CPU backend spends it in LLVM's
@@ -39,20 +39,18 @@ def fresh_store():
 
 @pytest.fixture(scope="session")
 def keras():
-    """Keras 3, the oracle of the layer and metric tests (they skip without it)."""
-    return pytest.importorskip("keras")
+    """Keras 3, the oracle of the layer and metric tests (in the test extra: never skipped).
+    Imported once per process by ``_lazy.oracle``, its objects then frozen out of the
+    garbage collector's walks (Keras imports TensorFlow, its backend by default)."""
+    return oracle("keras")
 
 
 @pytest.fixture(scope="session")
 def tf():
-    """TensorFlow, the oracle of the tests marked ``tf`` (they skip without it).
+    """TensorFlow, the oracle of the tests marked ``tf`` (in the test extra: never skipped).
 
-    Imported once per process, then ``gc.freeze()``: TF's import adds ~330,000 long-lived
-    objects that every later full collection would walk again (and JAX runs its own collection
-    on each), slowing every test that follows in the same worker. Frozen, they are skipped.
+    Imported once per process, then ``gc.freeze()`` (``_lazy.oracle``): TF's import adds
+    ~330,000 long-lived objects that every later full collection would walk again (and JAX
+    runs its own collection on each), slowing every test that follows in the same worker.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # no C++ banner about CPU features
-    module = pytest.importorskip("tensorflow")
-    gc.collect()
-    gc.freeze()
-    return module
+    return oracle("tensorflow")

@@ -13,17 +13,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
-pytest.importorskip("matplotlib")
-pytest.importorskip("sklearn")
-
-from conftest import FAST_COMPILE  # noqa: E402
-from jupyter_client import KernelManager  # noqa: E402
-from jupyter_client.kernelspec import KernelSpec  # noqa: E402
+from conftest import FAST_COMPILE
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpec
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 TIMEOUT_PER_CELL = 120

@@ -12,6 +12,7 @@ import os
 import struct
 import time
 
+import h5py
 import numpy as np
 import pytest
 from _bounded import BOUND, in_thread
@@ -20,8 +21,6 @@ import paramstore as ps
 from paramstore import checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
 from paramstore.checkpoint.formats.safetensors import header as _header
-
-h5py = pytest.importorskip("h5py")
 
 
 def refused(path, match, name="layers/dense/vars/0", shape=(4,)):

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _lazy import lazy
 
 import paramstore as ps
 from paramstore import checkpoint, cli
 from paramstore.checkpoint import CheckpointError, Saver
 
-tf = pytest.importorskip("tensorflow")
-keras = pytest.importorskip("keras")
+tf = lazy("tensorflow")
+keras = lazy("keras")
 
 pytestmark = pytest.mark.slow  # TensorFlow's import takes seconds
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _lazy import lazy
 
 import paramstore as ps
 from paramstore.checkpoint import init_from_checkpoint
 
-tf = pytest.importorskip("tensorflow")
-keras = pytest.importorskip("keras")
+tf = lazy("tensorflow")
+keras = lazy("keras")
 
 pytestmark = pytest.mark.slow  # TensorFlow's import takes seconds
 

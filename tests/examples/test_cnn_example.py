@@ -14,9 +14,6 @@ from _examples import load_example
 
 import paramstore as ps
 
-pytest.importorskip("sklearn")
-pytest.importorskip("matplotlib")
-
 ROOT = Path(__file__).resolve().parents[2]
 PATH = ROOT / "examples" / "cnn.py"
 

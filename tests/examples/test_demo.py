@@ -8,11 +8,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("sklearn")
-pytest.importorskip("tqdm")
-
-import paramstore as ps  # noqa: E402
-from paramstore import cli, demo  # noqa: E402
+import paramstore as ps
+from paramstore import cli, demo
 
 
 def _accuracy(out: str) -> float:

@@ -14,9 +14,6 @@ from _examples import load_example
 
 import paramstore as ps
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
 
 def _example():
     return load_example("gpt2")

@@ -11,9 +11,6 @@ import pytest
 
 import paramstore as ps
 
-pytest.importorskip("sklearn")
-pytest.importorskip("matplotlib")
-
 PATH = Path(__file__).resolve().parents[2] / "examples" / "sequence.py"
 
 

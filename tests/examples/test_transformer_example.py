@@ -12,8 +12,6 @@ from _examples import load_example
 
 import paramstore as ps
 
-pytest.importorskip("tqdm")
-
 
 def _example():
     return load_example("transformer")
