@@ -172,7 +172,7 @@ def test_recipes_precision_benchmark_prints_the_targets():
     assert "step, ps mixed_bfloat16 / jax bf16" in out
     assert "temp memory, ps mixed_bfloat16 / ps float32" in out
     assert "step, ps LossScaleOptimizer / jax+optax loss scaling" in out
-    assert "temp memory at batch 16, ps mixed_bfloat16 / ps float32" in out
+    assert "temp memory at batch 8, ps mixed_bfloat16 / ps float32" in out
 
 
 @pytest.mark.slow
