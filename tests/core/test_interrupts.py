@@ -18,6 +18,18 @@ import paramstore as ps
 from paramstore._core.interrupts import deferred
 
 
+@pytest.fixture(autouse=True)
+def default_sigint_handler():
+    """Python's own SIGINT handler (what ``_thread.interrupt_main`` and Ctrl-C reach) during
+    each test, whatever an earlier test in this worker process left installed (a fresh
+    clone's first run met another handler here, and every sweep saw no interrupt)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _state(*shapes: tuple[int, ...]) -> list[ps.Variable]:
     return [ps.Variable(np.zeros(s, np.float32) + i) for i, s in enumerate(shapes)]
 
