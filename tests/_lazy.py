@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -21,7 +22,10 @@ __all__ = ["lazy", "oracle"]
 
 
 def oracle(name: str) -> ModuleType:
-    """``import name`` (TensorFlow quietly), then ``gc.freeze()`` what the import made."""
+    """``import name`` (TensorFlow quietly), then ``gc.freeze()`` what the import made (once:
+    a module already imported is returned as it is, with no full collection)."""
+    if name in sys.modules:
+        return sys.modules[name]
     if name.split(".")[0] in ("tensorflow", "keras"):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # no C++ banner about CPU features
     module = importlib.import_module(name)
