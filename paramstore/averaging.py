@@ -41,19 +41,21 @@ Contract (docs/api.md, "Weight averaging, constraints and regularizers"):
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import weakref
-from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
 
 from paramstore._collect import variables_of
-from paramstore._core.store import default_store
+from paramstore._core.context import STATE_LOCK, ctx
+from paramstore._core.interrupts import deferred
+from paramstore._core.ownership import ownership
+from paramstore._core.store import default_store, give_back, journal
+from paramstore._function.trace import initial_from_first_call
 from paramstore._traverse import Key, Relative
-from paramstore.module import Module
+from paramstore.module import Module, child_created
 from paramstore.typing import VariablesLike
 from paramstore.variable import Variable
 
@@ -89,6 +91,14 @@ def _check_decay(decay: Any) -> None:
         )
 
 
+def _check_num_updates(num_updates: Any) -> None:
+    if num_updates is not None and not isinstance(num_updates, (Variable, numbers.Real)):
+        raise TypeError(
+            "ps.ExponentialMovingAverage: num_updates must be None, a number or a Variable "
+            f"(e.g. opt.iterations), got {type(num_updates).__name__}."
+        )
+
+
 class ExponentialMovingAverage(Module):
     """Shadow variables averaging others, as ``tf.train.ExponentialMovingAverage`` (see the
     module docstring).
@@ -111,6 +121,7 @@ class ExponentialMovingAverage(Module):
         self = super().__new__(cls)
         decay = args[0] if args else kwargs.get("decay")
         _check_decay(decay)  # before a scope name is taken
+        _check_num_updates(args[1] if len(args) > 1 else kwargs.get("num_updates"))
         name = args[3] if len(args) > 3 else kwargs.get("name", "ExponentialMovingAverage")
         if not isinstance(name, str) or not name:
             raise TypeError(
@@ -126,11 +137,6 @@ class ExponentialMovingAverage(Module):
         zero_debias: bool = False,
         name: str = "ExponentialMovingAverage",
     ) -> None:
-        if num_updates is not None and not isinstance(num_updates, (Variable, numbers.Real)):
-            raise TypeError(
-                "ps.ExponentialMovingAverage: num_updates must be None, a number or a Variable "
-                f"(e.g. opt.iterations), got {type(num_updates).__name__}."
-            )
         self._decay = decay
         self._num_updates = num_updates
         self._zero_debias = bool(zero_debias)
@@ -193,7 +199,8 @@ class ExponentialMovingAverage(Module):
         shadow = self._shadow(var) if isinstance(var, Variable) else None
         if shadow is not None:
             return shadow.name
-        return f"{_as_variable(var, 'average_name').name}/{self._name}"
+        plain = f"{_as_variable(var, 'average_name').name}/{self._name}"
+        return default_store().unique_name(plain, reserve=False)  # as apply will name it
 
     def average(self, var: Variable) -> Variable:
         """``var``'s shadow Variable; ``KeyError`` if this average does not track ``var``."""
@@ -253,10 +260,28 @@ class ExponentialMovingAverage(Module):
             shadow.assign(avg - delta, read_value=False)
 
     def _create(self, v: Variable) -> None:
+        """``v``'s shadow: ``v``'s value, or the saved average a restore left pending for it
+        (deferred restoration, ``module.child_created``). Inside a ``ps.function``'s first
+        trace it starts at ``v``'s value at this point of the program, computed from the
+        first call's arguments where it depends on them (``initial_from_first_call``), as
+        the same step run eagerly would start it. A failure (a saved value of another
+        shape) leaves no shadow and takes no name."""
         full = default_store().unique_name(f"{v.name}/{self._name}", reserve=False)
         sharding = None if v._is_string else getattr(v, "sharding", None)
-        shadow = Variable(v, trainable=False, sharding=sharding, _full_name=full)
-        self._averaged.value[id(v)] = (weakref.ref(v), shadow)
+        with journal() as taken:
+            if ctx.frames:  # in a ps.function's first trace: v's value at this point
+                shadow = Variable(v, trainable=False, sharding=sharding, _full_name=full)
+                initial_from_first_call(shadow)  # computed from the first call's arguments
+            else:  # eager: a private copy of v's value
+                start = ownership.copy(v)
+                shadow = Variable(start, trainable=False, sharding=sharding, _full_name=full)
+            self._averaged.value[id(v)] = (weakref.ref(v), shadow)
+            try:
+                child_created(self, Relative(v, self._name, shadow.name), shadow)
+            except BaseException:
+                del self._averaged.value[id(v)]
+                give_back(taken, {shadow.name})
+                raise
 
     # ------------------------------------------------------------------ evaluation
 
@@ -285,30 +310,61 @@ class ExponentialMovingAverage(Module):
                 names[v.name] = v
         return names
 
-    @contextlib.contextmanager
-    def swap(self, module_or_variables: VariablesLike | None = None) -> Iterator[None]:
+    def swap(self, module_or_variables: VariablesLike | None = None) -> _Swap:
         """Inside the block the tracked variables of the collection (None: all tracked)
-        hold their averages; their trained values come back on exit, also on an error."""
+        hold their averages; their trained values come back on exit, also on an error.
+        Interrupt-safe (API.md, "Interrupts and faults"): entering changes all of them or
+        none, and leaving puts all trained values back, or (an interrupt that lands as the
+        block is left, before the restore starts) leaves all averages in place."""
         if module_or_variables is None:
             pairs = self._tracked()
         else:
             found = [(v, self._shadow(v)) for v in variables_of(module_or_variables)]
             pairs = [(v, s) for v, s in found if s is not None]
-        saved = [(v, v.value()) for v, _ in pairs]
-        averages = [s.value() for _, s in pairs]
-        try:
-            for (v, _), avg in zip(pairs, averages):
-                v.assign(avg, read_value=False)
-            yield
-        finally:
-            for v, value in saved:
-                v.assign(value, read_value=False)
+        return _Swap(pairs)
 
     def __repr__(self) -> str:
         return (
             f"<ps.ExponentialMovingAverage '{self._name}' decay={self._decay!r} "
             f"({len(self._tracked())} variables)>"
         )
+
+
+class _Swap:
+    """``ema.swap(...)``'s context manager: a class, not a generator, so that no bytecode
+    runs between the averages being written and the block starting (an interrupt that
+    lands in a generator's ``__enter__`` after its ``yield`` would skip ``__exit__`` and
+    leave the averages in place)."""
+
+    __slots__ = ("_variables", "_shadows", "_saved")
+
+    def __init__(self, pairs: list[tuple[Variable, Variable]]) -> None:
+        self._variables = [v for v, _ in pairs]
+        self._shadows = [s for _, s in pairs]
+        self._saved: list[Any] | None = None
+
+    def __enter__(self) -> None:
+        try:
+            with deferred(), STATE_LOCK:  # all or none; a signal is raised at the end
+                self._saved = [v.value() for v in self._variables]
+                _write_all(self._variables, [s.value() for s in self._shadows])
+        except BaseException:  # an interrupt delivered as the writes end: undo them all
+            if self._saved is not None:
+                with deferred(), STATE_LOCK:
+                    _write_all(self._variables, self._saved)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            with deferred(), STATE_LOCK:
+                _write_all(self._variables, self._saved)
+
+
+def _write_all(variables: list[Variable], values: list[Any]) -> None:
+    """Write ``values`` (the variables' own shapes and dtypes) into ``variables``: call it
+    under ``deferred()`` and ``STATE_LOCK``, so a step or a read sees all or none."""
+    for v, x in zip(variables, values):
+        v._swap(x, owned=False)
 
 
 def _as_variable(var: Any, what: str) -> Variable:

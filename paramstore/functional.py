@@ -117,6 +117,13 @@ def _values_for(
                 f"shape {var.shape} and dtype {var.dtype.name}, or leave the name out (with "
                 "partial=True)."
             )
+        if isinstance(val, Mapping):
+            raise TypeError(
+                f"ps.update: the value for variable '{var.name}' is a {type(val).__name__} "
+                f"(keys {list(val)[:5]}), not an array. values is a flat {{full name: array}} "
+                "mapping, as ps.state returns it; give an array of shape "
+                f"{var.shape} and dtype {var.dtype.name} for '{name}'. Nothing was assigned."
+            )
         if tuple(np.shape(val)) != var.shape:
             raise shape_error(name, var.shape, tuple(np.shape(val)))
     return names, variables, out

@@ -33,7 +33,7 @@ from paramstore._core import html as _html
 from paramstore._core import training as _training
 from paramstore._core.context import Scope, ctx, prefixed
 from paramstore._core.jax_api import refuse_as_array
-from paramstore._core.store import default_store
+from paramstore._core.store import default_store, give_back, journal
 from paramstore._summary import summary as _summary
 from paramstore._traverse import Key, Node, container_items, walk
 from paramstore.variable import Variable
@@ -59,6 +59,28 @@ def on_attribute_set(hook: AttributeHook) -> AttributeHook:
     variable created after the restore. Returns ``hook`` (usable as a decorator)."""
     _attribute_hooks.append(hook)
     return hook
+
+
+ChildHook = Callable[["Module", Key, Variable], bool]
+_child_hooks: list[ChildHook] = []
+
+
+def on_child_created(hook: ChildHook) -> ChildHook:
+    """Register ``hook(module, key, variable) -> bool``, called by ``child_created`` for a
+    variable a module holds other than as an attribute (an average's shadow, keyed by a
+    ``Relative``); it returns True when it gave the variable a pending saved value."""
+    _child_hooks.append(hook)
+    return hook
+
+
+def child_created(module: Module, key: Key, var: Variable) -> bool:
+    """``module`` now holds the new variable ``var`` under ``key`` (as its ``_ps_children``
+    lists it): deferred restoration for children that are not attributes. True when a
+    pending saved value was given to ``var``; a saved value that does not fit raises (and
+    stays pending)."""
+    if module.__dict__.get(PENDING) is None:
+        return False
+    return any([hook(module, key, var) for hook in _child_hooks])
 
 
 def _camel_to_snake(name: str) -> str:
@@ -174,17 +196,28 @@ class Module(Node):
 
         @functools.wraps(init)
         def wrapped(self: Module, *args: Any, **kw: Any) -> None:
-            if "_scope_name" not in self.__dict__:
-                try:
-                    call = signature.bind_partial(self, *args, **kw)
-                    call.apply_defaults()  # `def __init__(self, name="model")` names it
-                    bound = call.arguments
-                except TypeError:
-                    bound = {}
-                name = bound.get("name", kw.get("name"))  # kw: a name passed via **kwargs
+            if "_scope_name" in self.__dict__:  # an outer __init__ (or __new__) named it
+                with self.name_scope:
+                    init(self, *args, **kw)
+                return
+            try:
+                call = signature.bind_partial(self, *args, **kw)
+                call.apply_defaults()  # `def __init__(self, name="model")` names it
+                bound = call.arguments
+            except TypeError:
+                bound = {}
+            name = bound.get("name", kw.get("name"))  # kw: a name passed via **kwargs
+            with journal() as taken:
                 Module.__init__(self, name=name)  # a name that is not a str: TypeError
-            with self.name_scope:
-                init(self, *args, **kw)
+                first = self._scope_name
+                try:
+                    with self.name_scope:
+                        init(self, *args, **kw)
+                except BaseException:
+                    # A constructor that raises made no module: its names (its scope's and
+                    # everything under it) are free again, so the next one is `dense`.
+                    give_back(taken, {first, self._scope_name})
+                    raise
 
         cls.__init__ = wrapped  # type: ignore[method-assign]
 

@@ -11,6 +11,8 @@
 * ``abstract``: how many ``with ps.abstract():`` blocks are open (``_variable.abstract``).
 * ``training``: the ``training=`` value an enclosing call passes down (``_core.training``),
   None outside any.
+* ``journals``: open ``_core.store.journal()`` blocks (names taken by a construction or a
+  build, given back if it fails), innermost last.
 
 Each thread starts with empty stacks (as TensorFlow's graph and device stacks do).
 """
@@ -46,6 +48,7 @@ class _Context(threading.local):
         self.axis_rules: list[Any] = []
         self.abstract = 0
         self.training: bool | None = None
+        self.journals: list[list[Any]] = []
 
 
 ctx = _Context()

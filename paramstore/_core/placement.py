@@ -246,7 +246,9 @@ def replicated(where: Sharding | Mesh) -> Sharding:
 
 def device_memory_kind(sharding: Sharding) -> str:
     """The default memory kind of ``sharding``'s devices (``"device"`` on CPU, GPU, TPU)."""
-    first: Any = next(iter(sharding.device_set))  # (jax's stubs lack default_memory)
+    # The first device in the sharding's own order (a tuple): JAX hands out its cached
+    # device_set itself, so code that popped from it (Array.devices().pop()) emptied it.
+    first: Any = device_assignment(sharding)[0]  # (jax's stubs lack default_memory)
     return str(first.default_memory().kind)
 
 

@@ -10,6 +10,8 @@ Contract (docs/api.md, "Names, scopes and sharing"):
   namespace the default inside the block (re-running a notebook cell does not collide).
 * ``get_variable`` variables are held strongly by their store (they are shared state);
   plain Variables only weakly.
+* A construction or build that fails gives its names back (``journal``, ``give_back``):
+  they never reached the user, and a retry must get the same names.
 * ``State`` is an immutable ``{name: array}`` mapping registered as a pytree keyed by name:
   what ``store.state()`` and ``ps.state`` return.
 
@@ -19,9 +21,10 @@ The store sits below ``variable``: it uses a variable's ``name`` (and ``trainabl
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -32,7 +35,7 @@ from paramstore._core.context import ctx
 if TYPE_CHECKING:  # the class sits above this module: a name for annotations only
     from paramstore.variable import Variable
 
-__all__ = ["VariableStore", "State", "default_store", "preview_names"]
+__all__ = ["VariableStore", "State", "default_store", "preview_names", "journal", "give_back"]
 
 
 class State(Mapping[str, Any]):
@@ -108,6 +111,7 @@ class VariableStore:
                 candidate = f"{name}_{i}"
             if reserve:
                 self._taken.add(candidate)
+                _journaled(self, candidate)
             return candidate
 
     def register(
@@ -120,6 +124,7 @@ class VariableStore:
             if exact and name not in self._live:
                 full = name
                 self._taken.add(full)
+                _journaled(self, full)
             elif name not in self._taken:
                 full = self.unique_name(name)
             else:
@@ -150,6 +155,27 @@ class VariableStore:
             if self._live.get(name) is var:
                 del self._live[name]
 
+    def _release(self, name: str, keep: Container[int]) -> None:
+        """Give ``name`` back, untracking the variable that holds it unless its id is in
+        ``keep`` (then nothing changes): the undo of a construction or build that failed,
+        whose names never reached the user. ``_counts`` stays exact: ``base_k`` freed means
+        ``base_1 .. base_(k-1)`` at most are known taken."""
+        with self._lock:
+            var = self._live.get(name)
+            if var is not None:
+                if id(var) in keep:
+                    return
+                del self._live[name]
+                if self._shared.get(name) is var:
+                    del self._shared[name]
+            self._order.pop(name, None)
+            self._taken.discard(name)
+            base, sep, number = name.rpartition("_")
+            if sep and number.isdigit() and number[0] != "0":
+                k = int(number)
+                if self._counts.get(base, 0) >= k:
+                    self._counts[base] = k - 1
+
     def get(self, name: str) -> Variable | None:
         """The live variable of this full name, or None."""
         return self._live.get(name)
@@ -176,6 +202,39 @@ class VariableStore:
 
 
 _DEFAULT_STORE = VariableStore()
+
+
+def _journaled(store: VariableStore, name: str) -> None:
+    for entries in ctx.journals:
+        entries.append((store, name))
+
+
+@contextlib.contextmanager
+def journal() -> Iterator[list[tuple[VariableStore, str]]]:
+    """Record ``(store, name)`` for every name this thread takes inside the block (module
+    scopes and variables, in any store), for ``give_back`` when what the block built
+    fails. Nested blocks each see the names taken inside them."""
+    entries: list[tuple[VariableStore, str]] = []
+    ctx.journals.append(entries)
+    try:
+        yield entries
+    finally:
+        stack = ctx.journals  # (by identity: two empty journals compare equal)
+        del stack[max(i for i, e in enumerate(stack) if e is entries)]
+
+
+def give_back(
+    entries: Sequence[tuple[VariableStore, str]], prefixes: Iterable[str], keep: Container[int] = ()
+) -> None:
+    """Undo the names of ``entries`` (a ``journal``) that are one of ``prefixes`` or under
+    ``<prefix>/``: each is free again and its variable, if any, untracked (unless its id is
+    in ``keep``: a variable that stays reachable), so a retry creates the same names
+    (``dense/kernel``, never ``dense/kernel_1``), which name-based checkpoints rely on."""
+    heads = tuple(prefixes)
+    under = tuple(p + "/" for p in heads)
+    for store, name in reversed(entries):
+        if name in heads or name.startswith(under):
+            store._release(name, keep)
 
 
 def default_store() -> VariableStore:

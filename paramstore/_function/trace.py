@@ -11,6 +11,7 @@ docstring for the contract.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -112,7 +113,7 @@ def trace_signature(
         _explained(e, owner)
         raise
     if frame.created:
-        _initialize(closed, frame.created, result.get("error"))
+        _initialize(closed, frame.created, result.get("error"), arrays)
     if "error" in result:
         raise _explained(result["error"], owner)
     _sharding.settle_unplaced(result["assigned"], arrays, [v for v, _ in frame.captured.values()])
@@ -325,9 +326,24 @@ def _has_host_callback(jaxpr: Any) -> bool:
     return False
 
 
-def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) -> None:
+_FROM_FIRST_CALL: weakref.WeakValueDictionary[int, Variable] = weakref.WeakValueDictionary()
+
+
+def initial_from_first_call(var: Variable) -> None:
+    """Let ``var``, created in this first trace, start at the value its initial value has
+    in the function's first call even where that depends on the arguments (computed from
+    the first call's arguments): an average's shadow starts at its variable's value at
+    that point of the step (API.md, "Weight averaging"). Other variables may not."""
+    _FROM_FIRST_CALL[id(var)] = var  # (by id: a Variable compares elementwise)
+
+
+def _initialize(
+    closed: Any, created: list[tuple[Variable, Any]], error: Any, arrays: list[Any]
+) -> None:
     """Compute the initial values of the variables created (with traced values) during the
-    trace ``closed``: run the part of the jaxpr they depend on, once, and write them."""
+    trace ``closed``: run the part of the jaxpr they depend on, once, and write them.
+    ``arrays``: the first call's arguments (only ``initial_from_first_call`` variables may
+    depend on them)."""
     closed = pure_jaxpr(closed)
     jaxpr = closed.jaxpr
     n_out, n_created = len(jaxpr.outvars), len(created)
@@ -335,7 +351,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     used_out = [False] * (n_out - n_created) + [True] * n_created
     init, used_in = init_program(jaxpr, used_out)
     n_consts = len(jaxpr.constvars)
-    if any(used_in[n_consts:]):
+    if any(used_in[n_consts:]) and _arguments_refused(jaxpr, created, n_consts, arrays):
         for var, _ in created:
             var._store._forget(var)  # the store it was created in, not the default now
             ownership.take_initial(var, None)
@@ -346,6 +362,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
             "x.shape, or create the variable outside and assign it."
         ) from error
     consts = [c for c, used in zip(closed.consts, used_in[:n_consts]) if used]
+    consts += [a for a, used in zip(arrays, used_in[n_consts:]) if used]  # (allowed above)
     init = init.replace(debug_info=init.debug_info.with_unknown_names())
     # A variable created with a sharding (sharding=, a LayoutMap, axis rules) gets its value
     # from a program compiled with that output sharding: no device holds more than its
@@ -366,6 +383,25 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
         if override is not None and sharding is not None:
             override = jax.device_put(override, sharding)
         var._write(value if override is None else override, owned=True)
+
+
+def _arguments_refused(
+    jaxpr: Any, created: list[tuple[Variable, Any]], n_consts: int, arrays: list[Any]
+) -> bool:
+    """Whether an initial value that depends on the arguments is refused: arguments that
+    are traced (a ps.function inside another trace), or a variable that depends on them
+    and is not ``initial_from_first_call``'s."""
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return True
+    n_out, n_created = len(jaxpr.outvars), len(created)
+    for i, (var, _) in enumerate(created):
+        if _FROM_FIRST_CALL.get(id(var)) is var:
+            continue
+        one = [False] * n_out
+        one[n_out - n_created + i] = True
+        if any(init_program(jaxpr, one)[1][n_consts:]):
+            return True
+    return False
 
 
 def _shared(

@@ -75,6 +75,8 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
     if isinstance(value, (np.ndarray, np.generic)):
         if value.dtype.kind in "USOT":
             return _strings(np.asarray(value), full_name), True
+        if not value.dtype.isnative:  # big-endian data: JAX takes the native byte order only
+            value = value.astype(value.dtype.newbyteorder("="))
         _check_explicit(value, want, full_name)
         return strong(jnp.asarray(np.array(value, copy=True), dtype=want)), True
     if want is not None and want.kind in "iub":  # as assign checks a Python value
@@ -98,6 +100,8 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
         )
     if arr.dtype == STRING or arr.dtype.kind == "O":
         return _strings(arr, full_name), True
+    if isinstance(arr, np.ndarray) and not arr.dtype.isnative:  # a list of big-endian arrays
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     return strong(jnp.asarray(arr, dtype=want)), True
 
 

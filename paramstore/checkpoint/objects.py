@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from paramstore._core.store import preview_names
-from paramstore._traverse import walk
+from paramstore._traverse import Key, Relative, walk
 from paramstore.checkpoint.format import CheckpointError, PathLike
 from paramstore.checkpoint.readers import opened
 from paramstore.checkpoint.saver import (
@@ -47,7 +47,7 @@ from paramstore.checkpoint.saver import (
     outside_traces,
     placements_for,
 )
-from paramstore.module import PENDING, Module, on_attribute_set
+from paramstore.module import PENDING, Module, on_attribute_set, on_child_created
 from paramstore.typing import Trackable
 from paramstore.variable import Variable, set_initial_value
 
@@ -96,6 +96,44 @@ class _Pending:
     def __init__(self, status: CheckpointStatus) -> None:
         self.status = status
         self.values: dict[str, tuple[str, np.ndarray]] = {}  # rel -> (name in file, value)
+        self._paths: dict[int, str] | None = None  # id(variable) -> its path (Relative keys)
+
+    def snapshot(self) -> dict[str, tuple[str, np.ndarray]]:
+        """The values still waiting (``restore`` puts them back: a build that failed)."""
+        return dict(self.values)
+
+    def restore(self, snapshot: dict[str, tuple[str, np.ndarray]]) -> None:
+        self.values.clear()
+        self.values.update(snapshot)
+
+    def _relative(self, key: Relative) -> str:
+        """The path a ``Relative`` child has below this module: ``<owner's path>/<rest>``
+        where the owner is among the checkpoint's variables, else its fallback."""
+        if self._paths is None or id(key.owner) not in self._paths:
+            variables, _ = object_paths(self.status._checkpoint)
+            self._paths = {id(v): p for p, v in variables.items()}
+        owner = self._paths.get(id(key.owner))
+        return key.fallback if owner is None else f"{owner}/{key.rest}"
+
+    def created(self, module: Module, key: Key, var: Variable) -> bool:
+        """``module`` got ``var`` as a child under ``key`` (an average's shadow): give it
+        its saved value, if one waits. One of another shape or dtype raises and stays."""
+        rel = self._relative(key) if isinstance(key, Relative) else key
+        entry = self.values.get(rel)
+        if entry is None:
+            return False
+        full, saved = entry
+        if tuple(var.shape) != saved.shape or var.dtype != saved.dtype:
+            raise CheckpointError(
+                mismatch(self.status.path, full, saved.shape, saved.dtype, var)
+                + " The saved value stays pending until the variable is created with "
+                "its shape and dtype."
+            )
+        del self.values[rel]
+        self.status.apply(var, saved, full)
+        if not self.values:
+            module.__dict__.pop(PENDING, None)
+        return True
 
     def attached(self, module: Module, name: str, value: Any) -> None:
         """``module.<name> = value`` happened: restore what ``value`` holds."""
@@ -132,6 +170,13 @@ def defer(module: Module, rel: str, name: str, value: np.ndarray, status: Checkp
     if pending is None:
         pending = module.__dict__[PENDING] = _Pending(status)
     pending.values[rel] = (name, value)
+
+
+@on_child_created
+def _child(module: Module, key: Key, var: Variable) -> bool:
+    """A child created other than by an attribute assignment: restore it if a value waits."""
+    pending = module.__dict__.get(PENDING)
+    return isinstance(pending, _Pending) and pending.created(module, key, var)
 
 
 @on_attribute_set

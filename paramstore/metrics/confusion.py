@@ -9,8 +9,8 @@ Contract (docs/metrics.md):
 * The state is float32 Variables of one entry per threshold, with Keras' names
   (``true_positives``, ``false_positives``, ``true_negatives``, ``false_negatives``).
 * ``Precision(thresholds=None)`` / ``Recall(thresholds=None)``: ``thresholds`` is a float
-  or a list of floats in [0, 1] (default 0.5); ``result()`` is a scalar for one threshold
-  (given as a float or None), else one value per threshold. 0 when nothing was counted.
+  or a list of floats in [0, 1], Python or NumPy (``np.float32(0.5)``, as Keras; default
+  0.5); ``result()`` is a scalar for one threshold (given as a number or None), else one value per threshold. 0 when nothing was counted.
 * ``AUC(num_thresholds=200, curve="ROC", summation_method="interpolation",
   thresholds=None)``: the area under the ROC or PR curve from ``num_thresholds`` evenly
   spaced thresholds (``0 - 1e-7``, ``i / (num_thresholds - 1)``, ``1 + 1e-7``), or the
@@ -25,10 +25,13 @@ Contract (docs/metrics.md):
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paramstore.metrics.base import Metric, same_rank
 from paramstore.typing import ValueLike
@@ -44,10 +47,16 @@ def _no_nan(a: Array, b: Array) -> Array:
     return jnp.where(b == 0, jnp.zeros_like(a), a / jnp.where(b == 0, 1, b))
 
 
+def _is_number(x: Any) -> bool:
+    """A Python or NumPy real number (np.float32(0.5) as Keras takes it), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
 def _thresholds(kind: str, thresholds: float | Sequence[float]) -> tuple[float, ...]:
-    values = (thresholds,) if isinstance(thresholds, (int, float)) else tuple(thresholds)
+    single = _is_number(thresholds) or isinstance(thresholds, (bool, np.bool_))
+    values: tuple[Any, ...] = (thresholds,) if single else tuple(cast(Sequence[Any], thresholds))
     for t in values:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+        if not _is_number(t) or not 0.0 <= float(t) <= 1.0:
             raise ValueError(
                 f"{kind}: thresholds must be floats in [0, 1] (a score above a threshold "
                 f"counts as a positive prediction), got {thresholds!r}."
@@ -119,7 +128,7 @@ class _PrecisionRecall(_Confusion):
         self.thresholds = _thresholds(
             type(self).__name__, 0.5 if thresholds is None else thresholds
         )
-        self._scalar = thresholds is None or isinstance(thresholds, (int, float))
+        self._scalar = thresholds is None or _is_number(thresholds)
         self._make()
 
     def _ratio(self, hits: Variable, misses: Variable) -> Array:

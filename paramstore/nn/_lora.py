@@ -25,6 +25,7 @@ Contract (docs/api.md, "LoRA"; docs/guides/recipes.md, "LoRA"):
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, ClassVar
 
@@ -53,12 +54,16 @@ def check_alpha(alpha: Any, rank: int, who: str) -> float:
     """``lora_alpha`` (default ``rank``) as a positive float, else ``ValueError``."""
     if alpha is None:
         return float(rank)
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not float(alpha) > 0:
+    try:
+        value = float(alpha) if isinstance(alpha, numbers.Real) else math.nan
+    except OverflowError:  # an int beyond float64
+        value = math.inf
+    if isinstance(alpha, bool) or not (value > 0 and math.isfinite(value)):
         raise ValueError(
-            f"{who}: lora_alpha must be a positive number (the update is scaled by "
+            f"{who}: lora_alpha must be a positive number, finite (the update is scaled by "
             f"lora_alpha / rank; default: rank), got {alpha!r}."
         )
-    return float(alpha)
+    return value
 
 
 class LoRALayer(Layer):

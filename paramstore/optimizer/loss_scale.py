@@ -4,8 +4,9 @@ Contract (docs/api.md, "Mixed precision"; docs/guides/recipes.md, "Loss scaling"
 
 * ``LossScaleOptimizer(optimizer, initial_scale=2.0**15, dynamic_growth_steps=2000, *,
   name=None)``: ``optimizer`` must be a ``ps.Optimizer`` (else ``TypeError``),
-  ``initial_scale`` a finite number > 0 and ``dynamic_growth_steps`` an int >= 1 (else
-  ``ValueError``); nothing is created before these checks pass.
+  ``initial_scale`` a number > 0 that is finite in float32 (1e39 is not: the scale is a
+  float32 variable) and ``dynamic_growth_steps`` an int in [1, 2**31] (the counter is an
+  int32) (else ``ValueError``); nothing is created before these checks pass.
 * ``opt.scale`` is a non-trainable float32 Variable (starts at ``initial_scale``),
   ``opt.step_counter`` an int32 Variable (finite steps in a row, as Keras'
   ``step_counter``); both are this Module's, so a ``ps.Checkpoint`` saves them
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from paramstore._core.placement import device_memory_kind, in_host_memory
 from paramstore.function import function
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
@@ -58,22 +60,50 @@ def _check(optimizer: Any, initial_scale: Any, dynamic_growth_steps: Any) -> Non
     if (
         isinstance(initial_scale, bool)
         or not isinstance(initial_scale, numbers.Real)
-        or not math.isfinite(float(initial_scale))
-        or float(initial_scale) <= 0
+        or not _finite_float32(initial_scale)
     ):
         raise ValueError(
-            f"{me}: initial_scale must be a finite number > 0 (the first loss scale, e.g. "
-            f"2.0**15), got {initial_scale!r}."
+            f"{me}: initial_scale must be a finite number > 0 that float32 holds (the first "
+            f"loss scale, e.g. 2.0**15; the scale is a float32 variable, so above "
+            f"{float(np.finfo(np.float32).max):.4g} it would be inf), got {initial_scale!r}."
         )
     if (
         isinstance(dynamic_growth_steps, bool)
         or not isinstance(dynamic_growth_steps, (int, np.integer))
-        or dynamic_growth_steps < 1
+        or not 1 <= dynamic_growth_steps <= _MAX_GROWTH_STEPS
     ):
         raise ValueError(
-            f"{me}: dynamic_growth_steps must be an int >= 1 (finite steps before the scale "
-            f"doubles), got {dynamic_growth_steps!r}."
+            f"{me}: dynamic_growth_steps must be an int in [1, 2**31] (finite steps before "
+            f"the scale doubles, counted by an int32 variable), got {dynamic_growth_steps!r}."
         )
+
+
+_MAX_GROWTH_STEPS = 2**31  # the counter (int32) reaches dynamic_growth_steps - 1
+
+
+def _finite_float32(x: numbers.Real) -> bool:
+    """Whether ``x`` is > 0 and finite as float32 (neither inf nor rounded to 0)."""
+    try:
+        f = float(x)
+    except OverflowError:  # an int beyond float64
+        return False
+    if not math.isfinite(f) or f <= 0:
+        return False
+    with np.errstate(over="ignore", under="ignore"):
+        f32 = np.float32(f)
+    return bool(np.isfinite(f32) and f32 > 0)
+
+
+def _select(finite: jax.Array, new: jax.Array, var: Variable) -> jax.Array:
+    """``new`` where ``finite``, else ``var``'s value. A slot kept in host memory
+    (``slot_memory_kind="pinned_host"``) is selected in its devices' memory and moved back
+    home: XLA's select takes operands of one memory space only."""
+    home = var.sharding
+    if home is None or not in_host_memory(home):
+        return jnp.where(finite, new, var.value())
+    compute = home.with_memory_kind(device_memory_kind(home))
+    picked = jnp.where(finite, jax.device_put(new, compute), jax.device_put(var.value(), compute))
+    return jax.device_put(picked, home)
 
 
 class LossScaleOptimizer(Module):
@@ -181,7 +211,7 @@ class LossScaleOptimizer(Module):
         unscaled = [None if g is None else (g / scale).astype(g.dtype) for g in grads]
         writes = inner._new_values(targets.tree(unscaled), extra_args)
         for var, new in writes:  # a skipped step keeps every old value
-            var.assign(jnp.where(finite, new, var.value()), read_value=False)
+            var.assign(_select(finite, new, var), read_value=False)
         inner.iterations.assign_add(finite.astype(jnp.int32), read_value=False)
         counter = self.step_counter.value()
         grow = jnp.logical_and(finite, counter == self.dynamic_growth_steps - 1)
