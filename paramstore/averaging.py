@@ -313,7 +313,7 @@ class ExponentialMovingAverage(Module):
     def swap(self, module_or_variables: VariablesLike | None = None) -> _Swap:
         """Inside the block the tracked variables of the collection (None: all tracked)
         hold their averages; their trained values come back on exit, also on an error.
-        Interrupt-safe (API.md, "Interrupts and faults"): entering changes all of them or
+        Interrupt-safe (docs/api.md, "Interrupts and faults"): entering changes all of them or
         none, and leaving puts all trained values back, or (an interrupt that lands as the
         block is left, before the restore starts) leaves all averages in place."""
         if module_or_variables is None:
@@ -355,9 +355,19 @@ class _Swap:
             raise
 
     def __exit__(self, *exc: object) -> None:
-        if self._saved is not None:
+        saved = self._saved
+        if saved is None:
+            return
+        done = False
+        try:
             with deferred(), STATE_LOCK:
-                _write_all(self._variables, self._saved)
+                _write_all(self._variables, saved)
+                done = True
+        except BaseException:  # an interrupt before the writes began: write them anyway
+            if not done:
+                with deferred(), STATE_LOCK:
+                    _write_all(self._variables, saved)
+            raise
 
 
 def _write_all(variables: list[Variable], values: list[Any]) -> None:

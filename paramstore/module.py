@@ -31,7 +31,8 @@ import numpy as np
 from paramstore import scope as _scope
 from paramstore._core import html as _html
 from paramstore._core import training as _training
-from paramstore._core.context import Scope, ctx, prefixed
+from paramstore._core.context import STATE_LOCK, Scope, ctx, prefixed
+from paramstore._core.interrupts import deferred
 from paramstore._core.jax_api import refuse_as_array
 from paramstore._core.store import default_store, give_back, journal
 from paramstore._summary import summary as _summary
@@ -338,10 +339,21 @@ class Module(Node):
         each dtype's kind: a floating value may go into a floating variable of another
         width (cast, as Keras does: ``np.random.rand`` gives float64), an integer or bool
         into an integer or floating one; anything else (a float into an int variable, a
-        complex into a float) raises TypeError naming the layer and the index."""
+        complex into a float) raises TypeError naming the layer and the index. Abstract
+        variables (``ps.abstract()``, not restored yet) raise ValueError naming them. The
+        writes are one step: a compiled step, a read of several variables or an interrupt
+        (Ctrl-C, held back until all are written) sees all old or all new values."""
         own = _ordered(self)
         who = _describe(self)
         values = list(weights)
+        abstract = [v.name for v in own if v.is_abstract]
+        if abstract:
+            raise ValueError(
+                f"{who}.set_weights: {len(abstract)} of its variables are abstract (created "
+                f"in ps.abstract(), with no value yet): {abstract[:5]}"
+                f"{' ...' if len(abstract) > 5 else ''}. Restore a checkpoint into them or "
+                "call ps.initialize(module) first. Nothing was assigned."
+            )
         if len(values) != len(own):
             raise ValueError(
                 f"{who}.set_weights expects {len(own)} arrays (one per variable in "
@@ -363,9 +375,10 @@ class Module(Node):
                     f"(arr.astype({str(v.dtype)!r}) if the conversion is meant). Nothing was "
                     "assigned."
                 )
-            cast.append(arr.astype(v.dtype))
-        for v, arr in zip(own, cast):
-            v.assign(arr, read_value=False)
+            cast.append(v._coerce(arr.astype(v.dtype), "assign"))
+        with deferred(), STATE_LOCK:  # all or nothing, Ctrl-C included (held back to the end)
+            for v, x in zip(own, cast):
+                v._swap(x, owned=False)
 
     def count_params(self) -> int:
         """The number of scalars in ``weights`` (Keras' ``count_params``)."""

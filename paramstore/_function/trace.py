@@ -333,7 +333,7 @@ def initial_from_first_call(var: Variable) -> None:
     """Let ``var``, created in this first trace, start at the value its initial value has
     in the function's first call even where that depends on the arguments (computed from
     the first call's arguments): an average's shadow starts at its variable's value at
-    that point of the step (API.md, "Weight averaging"). Other variables may not."""
+    that point of the step (docs/api.md, "Weight averaging"). Other variables may not."""
     _FROM_FIRST_CALL[id(var)] = var  # (by id: a Variable compares elementwise)
 
 

@@ -31,10 +31,11 @@ Contract (docs/api.md, "Layers"):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar, cast
 
 import jax
@@ -47,12 +48,14 @@ from paramstore import initializers as _init
 from paramstore import mixed_precision as _mp
 from paramstore import regularizers as _regularizers
 from paramstore._core.layout import Partition
-from paramstore.module import Module
+from paramstore._core.store import give_back, journal
+from paramstore.module import PENDING, Module
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
 from paramstore.variable import Variable
 
 __all__ = [
     "ACTIVATIONS",
+    "all_or_nothing",
     "Layer",
     "PolicyLike",
     "Shape",
@@ -261,7 +264,7 @@ def _guarded(build: Callable[..., None]) -> Callable[..., None]:
             with _lock_of(self):
                 if not self.built:
                     self.check_shape(*dims)
-                    with self.name_scope:
+                    with all_or_nothing(self), self.name_scope:
                         build(self, *dims)
                     if not self.trainable:  # frozen before it was built: so are its variables
                         self.trainable = False
@@ -273,6 +276,31 @@ def _guarded(build: Callable[..., None]) -> Callable[..., None]:
 
     wrapped._ps_guarded = True  # type: ignore[attr-defined]
     return wrapped
+
+
+@contextlib.contextmanager
+def all_or_nothing(layer: Module) -> Iterator[None]:
+    """Run a block that creates ``layer``'s variables (a build, ``enable_lora``); if it
+    raises, the layer is left as it was: its attributes are put back, the variables and
+    modules the block created are untracked and their names given back (a retry creates
+    ``dense/kernel`` again, never ``dense/kernel_1``: names key checkpoints), and saved
+    values a deferred restore gave them are pending again."""
+    before = dict(layer.__dict__)
+    pending = before.get(PENDING)
+    snapshot = pending.snapshot() if pending is not None else None
+    with journal() as taken:
+        try:
+            yield
+        except BaseException:
+            now = layer.__dict__
+            for key in [k for k in now if k not in before]:
+                del now[key]
+            now.update(before)
+            if pending is not None:
+                pending.restore(snapshot)
+            keep = {id(v) for v in layer.variables}  # built sub-layers made before stay
+            give_back(taken, {layer.scope_name}, keep)
+            raise
 
 
 def features(layer: Layer, shape: Shape) -> int:

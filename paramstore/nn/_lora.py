@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore.nn._base import Layer, initializer
+from paramstore.nn._base import Layer, all_or_nothing, initializer
 from paramstore.typing import LayerInitializer
 from paramstore.variable import Variable
 
@@ -122,7 +122,7 @@ class LoRALayer(Layer):
         a_init = initializer(a_initializer, _init.he_uniform(), me, "a_initializer")
         b_init = initializer(b_initializer, _init.zeros(), me, "b_initializer")
         self.check_lora_enable()
-        with self.name_scope:
+        with all_or_nothing(self), self.name_scope:  # a failure leaves no stray variable
             self._add_lora(rank, alpha, a_init, b_init)
 
     def check_lora_enable(self) -> None:
