@@ -103,7 +103,8 @@ def _select(finite: jax.Array, new: jax.Array, var: Variable) -> jax.Array:
         return jnp.where(finite, new, var.value())
     compute = home.with_memory_kind(device_memory_kind(home))
     picked = jnp.where(finite, jax.device_put(new, compute), jax.device_put(var.value(), compute))
-    return jax.device_put(picked, home)
+    home_again: jax.Array = jax.device_put(picked, home)
+    return home_again
 
 
 class LossScaleOptimizer(Module):

@@ -22,11 +22,23 @@ def _names(store: ps.VariableStore) -> list[str]:
 # ------------------------------------------------- issue 36, item 3: resuming keeps the EMA
 
 
-def _run(steps: int, model, opt, ema, data) -> None:
-    for x, y in data[:steps]:
-        grads = ps.grad(lambda: jnp.mean((model(x) - y) ** 2), model)()
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+def _train_step(model, opt, ema):
+    """The documented recipe (docs/guides/recipes.md, "Weight averaging")."""
+
+    def train_step(x, y):
+        def loss():
+            return jnp.mean((model(x) - y) ** 2)
+
+        opt.apply_gradients(zip(ps.grad(loss, model)(), model.trainable_variables))
         ema.apply(model)
+
+    return train_step
+
+
+def _run(steps: int, model, opt, ema, data) -> None:
+    step = _train_step(model, opt, ema)
+    for x, y in data[:steps]:
+        step(x, y)
 
 
 def _setup():
@@ -38,7 +50,10 @@ def _setup():
 
 
 DATA = [
-    (np.random.default_rng(i).normal(size=(4, 3)).astype(np.float32), np.full((4, 2), i, np.float32))
+    (
+        np.random.default_rng(i).normal(size=(4, 3)).astype(np.float32),
+        np.full((4, 2), i, np.float32),
+    )
     for i in range(4)
 ]
 
@@ -64,13 +79,7 @@ def test_a_resumed_run_keeps_its_averages(tmp_path, how: str, compiled: bool) ->
         else:
             assert CheckpointManager(tmp_path / "run", ckpt).restore_latest() is not None
         if compiled:
-
-            @ps.function
-            def step(x, y):
-                grads = ps.grad(lambda: jnp.mean((model(x) - y) ** 2), model)()
-                opt.apply_gradients(zip(grads, model.trainable_variables))
-                ema.apply(model)
-
+            step = ps.function(_train_step(model, opt, ema))
             for x, y in DATA[2:]:
                 step(jnp.asarray(x), jnp.asarray(y))
         else:
@@ -117,14 +126,7 @@ def test_the_documented_ema_recipe_runs_in_a_ps_function_as_eagerly() -> None:
     for compiled in (False, True):
         with ps.VariableStore():
             model, opt, ema = _setup()
-
-            def train_step(x, y):
-                def loss():
-                    return jnp.mean((model(x) - y) ** 2)
-
-                opt.apply_gradients(zip(ps.grad(loss, model)(), model.trainable_variables))
-                ema.apply(model)
-
+            train_step = _train_step(model, opt, ema)
             step = ps.function(train_step) if compiled else train_step
             for x, y in DATA:
                 step(jnp.asarray(x), jnp.asarray(y))
