@@ -29,6 +29,7 @@ from paramstore._core import frames as _trace
 from paramstore._core import seed as _seed
 from paramstore._core.jax_api import EVAL, in_trace
 from paramstore.module import Module
+from paramstore.nn._base import all_or_nothing
 from paramstore.nn._lora import LoRALayer, check_alpha, check_rank
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.repeat.layout import (
@@ -102,7 +103,7 @@ def enable_lora(
         layer.check_lora_enable()
     for layer, rep in chosen:
         if rep is None:
-            with layer.name_scope:
+            with all_or_nothing(layer), layer.name_scope:  # a failure leaves no stray variable
                 layer._add_lora(rank, alpha, _init.he_uniform(), _init.zeros())
         else:
             _enable_stacked(rep, layer, rank, alpha)

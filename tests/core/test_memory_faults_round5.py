@@ -291,3 +291,20 @@ def test_set_weights_with_an_abstract_later_layer_assigns_nothing() -> None:
         model.set_weights(new)
     np.testing.assert_array_equal(first.kernel.numpy(), before[0])
     np.testing.assert_array_equal(first.bias.numpy(), before[1])
+
+
+def test_module_enable_lora_over_saved_values_of_another_rank_leaves_nothing(tmp_path) -> None:
+    with ps.VariableStore():
+        saved = ps.nn.Dense(4)
+        saved.build((None, 3))
+        saved.enable_lora(2)
+        path = ps.Checkpoint(model=saved).save(tmp_path / "c")
+    with ps.VariableStore() as store:
+        layer = ps.nn.Dense(4)
+        layer.build((None, 3))
+        ps.Checkpoint(model=layer).restore(path)
+        with pytest.raises(CheckpointError, match=r"lora_kernel_a"):
+            ps.nn.enable_lora(layer, 3)
+        assert _names(store) == ["dense/bias", "dense/kernel"] and not layer.lora_enabled
+        assert ps.nn.enable_lora(layer, 2) == [layer]
+        assert _names(store)[2:] == ["dense/lora_kernel_a", "dense/lora_kernel_b"]
