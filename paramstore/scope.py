@@ -77,7 +77,8 @@ def name_scope(name: str) -> Iterator[str]:
         raise TypeError(f"name_scope expects a str, got {type(name).__name__}.")
     name = name.strip("/")
     stack = ctx.scopes
-    stack.append(Scope(name, False, _current_reuse()))
+    entry = Scope(name, False, _current_reuse())
+    stack += (entry,)  # in place, no call: no signal check before the try
     try:
         yield prefixed("")
     finally:
@@ -143,7 +144,7 @@ def variable_scope(name: str, reuse: Reuse = None) -> Iterator[VariableScope]:
         effective = True
     stack = ctx.scopes
     entry = Scope(name.strip("/"), True, effective)
-    stack.append(entry)
+    stack += (entry,)  # in place, no call: no signal check before the try
     try:
         yield VariableScope(prefixed("", variable_scopes_only=True).rstrip("/"), effective, entry)
     finally:

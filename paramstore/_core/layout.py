@@ -252,7 +252,7 @@ def axis_rules(
                 "Map the logical name to an axis of the mesh, or to None",
             )
         table[logical] = names
-    ctx.axis_rules.append((mesh, table))
+    ctx.axis_rules += ((mesh, table),)  # no call, so no signal check, before the try
     try:
         yield mesh
     finally:

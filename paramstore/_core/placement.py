@@ -107,7 +107,7 @@ def device(spec: PlacementLike) -> Iterator[jax.Device | Sharding | Layouts]:
     else:
         given = resolve_device(spec)
         target = SingleDeviceSharding(given)
-    ctx.placements.append(target)
+    ctx.placements += (target,)  # no call, so no signal check, before the try
     try:
         yield given
     finally:
@@ -119,7 +119,7 @@ def unplaced() -> Iterator[None]:
     """Inside this block no enclosing ``ps.device`` applies: a variable created with no
     ``device=``/``sharding=`` of its own stays where its initial value is (used for
     optimizer state, which must sit exactly where its parameters are)."""
-    ctx.placements.append(None)
+    ctx.placements += (None,)  # no call, so no signal check, before the try
     try:
         yield
     finally:

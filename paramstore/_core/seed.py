@@ -60,7 +60,8 @@ def naming(
     if initializer is not None and ctx.recorders:
         ctx.recorders[-1][full_name] = initializer
     outer = ctx.names[-1][2] if ctx.names else ()
-    ctx.names.append([full_name, 0, outer if index is None else (*outer, index)])
+    entry = [full_name, 0, outer if index is None else (*outer, index)]
+    ctx.names += (entry,)  # no call, so no signal check, before the try
     try:
         yield
     finally:
@@ -71,7 +72,7 @@ def naming(
 def recording() -> Iterator[dict[str, Callable[[], Any]]]:
     """Collect ``{full name: initializer}`` for the variables created inside."""
     found: dict[str, Callable[[], Any]] = {}
-    ctx.recorders.append(found)
+    ctx.recorders += (found,)  # no call, so no signal check, before the try
     try:
         yield found
     finally:

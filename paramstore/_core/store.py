@@ -88,7 +88,9 @@ class VariableStore:
 
     # -- being the default
     def __enter__(self) -> VariableStore:
-        ctx.stores.append(self)
+        # No call after the push: an interrupt cannot land between it and the block (the
+        # with statement would then never call __exit__ and the store stay the default).
+        ctx.stores += (self,)
         return self
 
     def __exit__(self, *exc: object) -> None:

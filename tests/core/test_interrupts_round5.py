@@ -9,13 +9,15 @@ from __future__ import annotations
 import signal
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _interrupting import BOUND, _read, _same, count_events, run_interrupted, sweep
+from jax.sharding import Mesh
 
 import paramstore as ps
-from paramstore._core.context import STATE_LOCK
+from paramstore._core.context import STATE_LOCK, ctx
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +132,90 @@ def test_set_weights_interrupted_anywhere() -> None:
 
     seen = sweep(prepare, lambda: variables, points=120)
     assert seen["before"] and seen["after"]
+
+
+def _stacks() -> tuple[int, ...]:
+    return (
+        len(ctx.scopes),
+        len(ctx.stores),
+        len(ctx.placements),
+        ctx.abstract,
+        len(ctx.names),
+        len(ctx.recorders),
+        len(ctx.axis_rules),
+        len(ctx.journals),
+    )
+
+
+def _name_scope() -> None:
+    with ps.name_scope("a"):
+        pass
+
+
+def _variable_scope() -> None:
+    with ps.variable_scope("a"):
+        pass
+
+
+def _device() -> None:
+    with ps.device("cpu:0"):
+        pass
+
+
+def _abstract() -> None:
+    with ps.abstract():
+        pass
+
+
+def _axis_rules() -> None:
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    with ps.sharding.axis_rules(mesh, {"batch": "data"}):
+        pass
+
+
+def _store() -> None:
+    with ps.VariableStore():
+        pass
+
+
+def _variable() -> None:
+    ps.Variable(lambda: jnp.ones(2), name="v")
+
+
+@pytest.mark.parametrize(
+    ("block", "allowed"),
+    [
+        (_name_scope, 0),
+        (_variable_scope, 0),
+        (_device, 0),
+        (_abstract, 0),
+        (_axis_rules, 0),
+        (_variable, 0),  # (the initializer's naming block)
+        # __exit__'s own first instruction: the with statement has called it, and no code of
+        # ours has run yet (a Python __exit__ always has this one point)
+        (_store, 1),
+    ],
+)
+def test_a_block_interrupted_anywhere_leaves_no_scope_or_context_behind(block, allowed) -> None:
+    """Ctrl-C anywhere in a `with` block that pushes per-thread state (a name scope, a
+    device, a store...) pops it: otherwise every later variable would get a wrong name,
+    placement or store. (Issue 36: 'every with block that restores state on exit'.)"""
+    base = _stacks()
+    block()
+    total = count_events(block)
+    left = []
+    start = time.monotonic()
+    for k in range(1, total + 2):
+        run_interrupted(block, k)
+        if _stacks() != base:
+            left.append(k)
+            del ctx.scopes[base[0] :]
+            del ctx.stores[base[1] :]
+            del ctx.placements[base[2] :]
+            ctx.abstract = base[3]
+            del ctx.names[base[4] :]
+            del ctx.recorders[base[5] :]
+            del ctx.axis_rules[base[6] :]
+            del ctx.journals[base[7] :]
+        assert time.monotonic() - start < BOUND
+    assert len(left) <= allowed, f"interrupts at {left} of {total} left per-thread state pushed"
