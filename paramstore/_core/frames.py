@@ -49,8 +49,7 @@ from paramstore._core.jax_api import (
     EVAL,
     Tracer,
     current_trace,
-    enter_while_fix,
-    exit_while_fix,
+    forget_traced_bodies,
     in_shard_map,
     in_trace,
     in_while_body,
@@ -156,15 +155,15 @@ class Frame:
     def _own_program(self) -> bool:
         """Whether paramstore discharges this frame's refs itself (they are in a
         ``ps.function``'s jaxpr: its capture frame is at the bottom of the stack), with
-        ``jax_api``'s while_loop rule. Otherwise (``ps.pure`` or a gradient under a plain
+        ``_core.loops``' while_loop rewrite. Otherwise (``ps.pure`` or a gradient under a plain
         ``jax.jit``) JAX discharges them, with its own rule."""
         stack = ctx.frames
         return bool(stack) and stack[0].kind == CAPTURE
 
     def _check_while(self, key: int, what: str, name: str) -> None:
         """Refuse a variable read in a ``while_loop`` condition and assigned in a loop body
-        of a program that JAX discharges: jax 0.10 gives the condition a copy of it that
-        the body's assigns never reach, so the loop would not end (``jax_api``)."""
+        of a program that JAX discharges: JAX gives the condition a copy of it that the
+        body's assigns never reach, so the loop would not end (``_core.loops``)."""
         if what == "read":
             if staging(self.base) and in_while_cond(self.base):
                 self.cond_reads.add(key)
@@ -172,7 +171,7 @@ class Frame:
             raise TypeError(
                 f"Variable '{name}' is read in a jax.lax.while_loop condition and assigned "
                 f"in the loop body inside {self.owner} under a plain JAX transformation "
-                "(jax.jit ...). JAX 0.10 would give the condition a copy of it that the "
+                "(jax.jit ...). JAX (every release through 0.12) would give the condition a copy of it that the "
                 "body's assigns never reach, so the loop would not end. Run the loop in a "
                 "ps.function (which handles this), or carry the value through the loop "
                 "(jax.lax.while_loop(cond, body, v.value())) and assign the result after it."
@@ -248,14 +247,12 @@ def push(frame: Frame) -> Iterator[Frame]:
     stack.append(frame)
     with _depth_lock:
         depth += 1
-    # jax_api's while_loop discharge rule while a frame runs: an eager ps.pure or gradient
-    # runs (and so discharges) its loops inside the frame
-    enter_while_fix()
     try:
         yield frame
     finally:
-        exit_while_fix()
         stack.pop()
+        if frame.refs:  # bodies JAX cached during the frame close over its refs
+            forget_traced_bodies()
         with _depth_lock:
             depth -= 1
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
-from paramstore._core.jax_api import init_program, pure_jaxpr
+from paramstore._core.jax_api import init_program
+from paramstore._core.loops import pure
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import in_host_memory
 from paramstore._function.entry import Entry
@@ -155,9 +156,9 @@ def _lift(
     n_out = len(lift.outvars) - len(assigned)
     program = jex.core.ClosedJaxpr(lifted, lift.consts)
     # Variables promoted to refs in control flow (by this frame or a ps.pure/gradient frame
-    # inside it): discharged here, with jax_api's while_loop rule, not by jax.jit.
+    # inside it): discharged here (with _core.loops' while_loop fix), not by jax.jit.
     if frame.refs or any(e.primitive.name == "new_ref" for e in lifted.eqns):
-        program = pure_jaxpr(program)
+        program = pure(program)
 
     # An output that is also a variable's new value or a donated input (`return
     # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
@@ -328,7 +329,7 @@ def _has_host_callback(jaxpr: Any) -> bool:
 def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) -> None:
     """Compute the initial values of the variables created (with traced values) during the
     trace ``closed``: run the part of the jaxpr they depend on, once, and write them."""
-    closed = pure_jaxpr(closed)
+    closed = pure(closed)
     jaxpr = closed.jaxpr
     n_out, n_created = len(jaxpr.outvars), len(created)
     names = ", ".join(f"'{v.name}'" for v, _ in created)
