@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the class sits above this module: a name for annotations on
 
 __all__ = [
     "Frame",
+    "Restage",
     "PURE",
     "OPEN",
     "CAPTURE",
@@ -84,6 +85,15 @@ depth = 0  # active frames, all threads together
 _depth_lock = threading.Lock()
 
 NON_FIRST_TRACE = "ps.function-decorated function tried to create variables on non-first trace."
+
+
+class Restage(BaseException):
+    """Raised out of a frame that JAX will run eagerly (an eager ``ps.pure`` or gradient)
+    when a ``while_loop`` condition reads a variable the loop body assigns: JAX would run
+    that loop with a condition that never sees the body's assigns. Nothing has run yet (the
+    loop is being traced); the outermost eager entry catches it and runs the whole call as a
+    compiled program that paramstore discharges itself (``functional``'s stager, a
+    ``ps.function``). A BaseException, so that user code's ``except Exception`` passes it."""
 
 
 class Frame:
@@ -161,13 +171,16 @@ class Frame:
         return bool(stack) and stack[0].kind == CAPTURE
 
     def _check_while(self, key: int, what: str, name: str) -> None:
-        """Refuse a variable read in a ``while_loop`` condition and assigned in a loop body
-        of a program that JAX discharges: JAX gives the condition a copy of it that the
-        body's assigns never reach, so the loop would not end (``_core.loops``)."""
+        """A variable read in a ``while_loop`` condition and assigned in a loop body of a
+        program that JAX discharges: JAX gives the condition a copy of it that the body's
+        assigns never reach, so the loop would not end (``_core.loops``). Run eagerly, the
+        call is staged instead (``Restage``); under a plain JAX transformation it is refused."""
         if what == "read":
-            if staging(self.base) and in_while_cond(self.base):
+            if in_while_cond(self.base):
                 self.cond_reads.add(key)
         elif key in self.cond_reads and in_while_body(self.base):
+            if not staging(self.base):
+                raise Restage(name)
             raise TypeError(
                 f"Variable '{name}' is read in a jax.lax.while_loop condition and assigned "
                 f"in the loop body inside {self.owner} under a plain JAX transformation "

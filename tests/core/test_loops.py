@@ -184,3 +184,53 @@ def test_a_program_without_such_a_loop_is_not_rewritten():
     closed = jax.make_jaxpr(lambda x: jax.lax.while_loop(lambda i: i < x, lambda i: i + 1, 0))(3)
     assert not loops.needs_fix(closed.jaxpr)
     assert loops.fix_while(closed) is closed
+
+
+def _count_program(c):
+    def count(n):
+        def body(i):
+            c.assign_add(1.0)
+            return i + 1
+
+        jax.lax.while_loop(lambda i: (c.value() < n) & (i < 50), body, 0)
+        return c.value() * 2.0
+
+    return count
+
+
+def test_an_eager_pure_whose_condition_reads_what_the_body_assigns_equals_a_ps_function():
+    """Issue 38, item 2: JAX runs such a loop eagerly with a stale condition (or refuses the
+    ref passed twice); paramstore runs that ps.pure as a compiled program instead."""
+    c = ps.Variable(0.0, name="c")
+    count = _count_program(c)
+    eager = ps.pure(count, [c])
+    compiled = ps.function(ps.pure(count, [c]))
+    for start, n in [(1.0, 5.0), (2.0, 7.0), (9.0, 4.0)]:
+        values = {"c": jnp.asarray(start)}
+        out, new = eager(values, n)
+        want_out, want_new = compiled(values, n)
+        assert float(out) == float(want_out) == 2 * max(start, n)
+        assert float(new["c"]) == float(want_new["c"]) == max(start, n)
+    assert float(c.numpy()) == 0.0  # ps.pure never touches the real variable
+
+
+def test_an_eager_pure_nested_in_another_is_staged_as_a_whole():
+    c = ps.Variable(0.0, name="c")
+    d = ps.Variable(1.0, name="d")
+    inner = ps.pure(_count_program(c), [c])
+
+    def outer(n):
+        out, new = inner({"c": d.value()}, n)
+        d.assign(new["c"] + 1.0)
+        return out
+
+    out, new = ps.pure(outer, [d])({"d": jnp.asarray(3.0)}, 6.0)
+    assert float(out) == 12.0 and float(new["d"]) == 7.0
+
+
+def test_under_a_plain_jit_the_same_pure_is_still_a_clear_error():
+    c = ps.Variable(0.0, name="c")
+    jitted = jax.jit(ps.pure(_count_program(c), [c]))
+    with pytest.raises(TypeError, match="'c' is read in a jax.lax.while_loop condition"):
+        jitted({"c": jnp.asarray(0.0)}, 3.0)
+    assert float(c.numpy()) == 0.0
