@@ -1,6 +1,7 @@
-"""The command line: ``python -m paramstore {demo,inspect} ...``.
+"""The command line: ``python -m paramstore {demo,doctor,inspect} ...``.
 
 * ``demo``: train a small model end to end (see :mod:`paramstore.demo`).
+* ``doctor``: versions, backend, devices and a self-test (see :mod:`paramstore.doctor`).
 * ``inspect PATH [--values] [--name GLOB]``: print the variables of a checkpoint (any
   format ``ps.checkpoint.list_variables`` reads), with the number of parameters and bytes
   in total. Names are printed escaped (control characters, ANSI escapes, newlines and lone
@@ -152,14 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_inspect.add_argument(
         "--name", default=None, help="only the variables matching this glob ('dense*/w')"
     )
-    if argv and argv[0] == "demo":
-        demo = importlib_demo()
-        status: int = demo.main(argv[1:])
+    sub.add_parser("doctor", help="print versions and devices; run a self-test of a few seconds")
+    if argv and argv[0] in ("demo", "doctor"):
+        module = importlib.import_module(f"paramstore.{argv[0]}")
+        status: int = module.main(argv[1:])
         return status
     args = parser.parse_args(argv)
     return inspect(args.path, values=args.values, name=args.name)
-
-
-def importlib_demo() -> Any:
-    """``paramstore.demo``, imported on demand (it needs the demo extra)."""
-    return importlib.import_module("paramstore.demo")

@@ -68,6 +68,7 @@ from paramstore._function.entry import Entry
 from paramstore._function.static import split, static_args, unhashable_message
 from paramstore._function.trace import Shardings, is_ref, trace_signature
 from paramstore._variable.initial import flag
+from paramstore.functional import register_stager
 from paramstore.module import Module
 from paramstore.variable import Variable
 
@@ -350,3 +351,8 @@ def function(
         )
 
     return make if fn is None else make(fn)
+
+
+# An eager ps.pure or gradient that JAX cannot run correctly (a while_loop condition reading
+# a variable the body assigns) runs as a ps.function instead (functional._eager_or_staged).
+register_stager(function)

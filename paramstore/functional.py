@@ -51,6 +51,7 @@ from paramstore._core import frames as _trace
 from paramstore._core.context import STATE_LOCK
 from paramstore._core.dtypes import shape_error
 from paramstore._core.interrupts import deferred
+from paramstore._core.jax_api import EVAL, current_trace
 from paramstore._core.store import State
 from paramstore.module import Module
 from paramstore.typing import PyTree, ValueLike, VariablesLike
@@ -155,6 +156,38 @@ def _run_bound(
     return out, frame
 
 
+# The compiled-function layer registers ``ps.function`` here (``register_stager``): an eager
+# ps.pure or gradient whose while_loop condition reads a variable the body assigns runs as
+# one (frames.Restage). A hook, because that layer sits above this one.
+_STAGER: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
+
+
+def register_stager(stage: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Set how an eager call that JAX cannot run correctly is compiled (``ps.function``)."""
+    _STAGER[:] = [stage]
+
+
+def _eager_or_staged(
+    call: Callable[..., Any], staged: list[Callable[..., Any]]
+) -> Callable[..., Any]:
+    """``call`` run eagerly; once it raised ``frames.Restage`` at the outermost eager level,
+    it and every later call run as the compiled ``staged[0]`` (see ``_STAGER``)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if staged and not _trace.active():
+            return staged[0](*args, **kwargs)
+        outermost = not _trace.active() and current_trace() is EVAL
+        try:
+            return call(*args, **kwargs)
+        except _trace.Restage:
+            if not (outermost and _STAGER):
+                raise
+        staged[:] = [_STAGER[0](call)]
+        return staged[0](*args, **kwargs)
+
+    return run
+
+
 def _owner(kind: str, fn: Callable[..., Any]) -> str:
     return f"{kind}({getattr(fn, '__name__', type(fn).__name__)})"
 
@@ -174,7 +207,9 @@ def pure(
 
     pure_fn.__name__ = f"pure_{getattr(fn, '__name__', 'fn')}"
     pure_fn.__doc__ = fn.__doc__
-    return pure_fn
+    run = _eager_or_staged(pure_fn, [])
+    functools.update_wrapper(run, pure_fn)
+    return run
 
 
 def update(
@@ -232,7 +267,7 @@ def value_and_grad(
             var._swap(x)
         return out, parsed.rebuild([grads[i] for i in at])
 
-    made = _GradFunction(wrapped, "ps.value_and_grad", "loss, grads")
+    made = _GradFunction(_eager_or_staged(wrapped, []), "ps.value_and_grad", "loss, grads")
     return cast(Callable[P, tuple[R, PyTree]], made)
 
 

@@ -130,6 +130,7 @@ def test_sharded_benchmark_prints_the_optimizer_placement_rows():
 
 
 @pytest.mark.slow
+@pytest.mark.torch
 def test_pretrained_benchmark_prints_its_rows_and_ratios():
     done = subprocess.run(
         [sys.executable, str(BENCH / "pretrained.py"), "--quick"],

@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("compiled functions", ["function", "_function", "sharding"]),
     ("training", ["mixed_precision", "optimizer", "nn", "metrics", "_display", "averaging"]),
     ("checkpoints", ["checkpoint"]),
-    ("entry points", ["cli", "demo", "__main__"]),
+    ("entry points", ["cli", "demo", "doctor", "__main__"]),
 ]
 
 # Modules whose outgoing edges are not dependencies (they re-export or launch everything).

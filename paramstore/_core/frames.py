@@ -49,8 +49,7 @@ from paramstore._core.jax_api import (
     EVAL,
     Tracer,
     current_trace,
-    enter_while_fix,
-    exit_while_fix,
+    forget_traced_bodies,
     in_shard_map,
     in_trace,
     in_while_body,
@@ -68,6 +67,7 @@ if TYPE_CHECKING:  # the class sits above this module: a name for annotations on
 
 __all__ = [
     "Frame",
+    "Restage",
     "PURE",
     "OPEN",
     "CAPTURE",
@@ -85,6 +85,15 @@ depth = 0  # active frames, all threads together
 _depth_lock = threading.Lock()
 
 NON_FIRST_TRACE = "ps.function-decorated function tried to create variables on non-first trace."
+
+
+class Restage(BaseException):
+    """Raised out of a frame that JAX will run eagerly (an eager ``ps.pure`` or gradient)
+    when a ``while_loop`` condition reads a variable the loop body assigns: JAX would run
+    that loop with a condition that never sees the body's assigns. Nothing has run yet (the
+    loop is being traced); the outermost eager entry catches it and runs the whole call as a
+    compiled program that paramstore discharges itself (``functional``'s stager, a
+    ``ps.function``). A BaseException, so that user code's ``except Exception`` passes it."""
 
 
 class Frame:
@@ -156,23 +165,26 @@ class Frame:
     def _own_program(self) -> bool:
         """Whether paramstore discharges this frame's refs itself (they are in a
         ``ps.function``'s jaxpr: its capture frame is at the bottom of the stack), with
-        ``jax_api``'s while_loop rule. Otherwise (``ps.pure`` or a gradient under a plain
+        ``_core.loops``' while_loop rewrite. Otherwise (``ps.pure`` or a gradient under a plain
         ``jax.jit``) JAX discharges them, with its own rule."""
         stack = ctx.frames
         return bool(stack) and stack[0].kind == CAPTURE
 
     def _check_while(self, key: int, what: str, name: str) -> None:
-        """Refuse a variable read in a ``while_loop`` condition and assigned in a loop body
-        of a program that JAX discharges: jax 0.10 gives the condition a copy of it that
-        the body's assigns never reach, so the loop would not end (``jax_api``)."""
+        """A variable read in a ``while_loop`` condition and assigned in a loop body of a
+        program that JAX discharges: JAX gives the condition a copy of it that the body's
+        assigns never reach, so the loop would not end (``_core.loops``). Run eagerly, the
+        call is staged instead (``Restage``); under a plain JAX transformation it is refused."""
         if what == "read":
-            if staging(self.base) and in_while_cond(self.base):
+            if in_while_cond(self.base):
                 self.cond_reads.add(key)
         elif key in self.cond_reads and in_while_body(self.base):
+            if not staging(self.base):
+                raise Restage(name)
             raise TypeError(
                 f"Variable '{name}' is read in a jax.lax.while_loop condition and assigned "
                 f"in the loop body inside {self.owner} under a plain JAX transformation "
-                "(jax.jit ...). JAX 0.10 would give the condition a copy of it that the "
+                "(jax.jit ...). JAX (every release through 0.12) would give the condition a copy of it that the "
                 "body's assigns never reach, so the loop would not end. Run the loop in a "
                 "ps.function (which handles this), or carry the value through the loop "
                 "(jax.lax.while_loop(cond, body, v.value())) and assign the result after it."
@@ -248,14 +260,12 @@ def push(frame: Frame) -> Iterator[Frame]:
     stack.append(frame)
     with _depth_lock:
         depth += 1
-    # jax_api's while_loop discharge rule while a frame runs: an eager ps.pure or gradient
-    # runs (and so discharges) its loops inside the frame
-    enter_while_fix()
     try:
         yield frame
     finally:
-        exit_while_fix()
         stack.pop()
+        if frame.refs:  # bodies JAX cached during the frame close over its refs
+            forget_traced_bodies()
         with _depth_lock:
             depth -= 1
 

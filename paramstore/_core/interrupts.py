@@ -19,6 +19,11 @@ deleted buffers. Two tools keep every change of variables all-or-nothing:
 
 In a thread other than the main one ``deferred()`` does nothing: no signal handler runs
 there.
+
+From jax 0.11, an interrupt that lands inside JAX's ``Primitive.bind`` can leave the thread
+with no current JAX trace, after which every JAX operation in that thread fails. A region
+puts the trace back on its way in and out (``jax_api.repair_trace``), and so do the slow
+paths of variable reads and assigns (``jax_api.staging``): the next operation works.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from itertools import repeat
 from types import FrameType, TracebackType
 from typing import Any, cast
 
+from paramstore._core.jax_api import current_trace, repair_trace
+
 __all__ = ["deferred"]
 
 _MAIN = threading.main_thread().ident
@@ -42,6 +49,7 @@ _SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, 
 
 class _State:
     depth = 0
+    trace: Any = None  # the current JAX trace when the outermost region began
     saved: dict[int, Any] = {}  # signal -> the handler the stand-in replaced
     pending: list[tuple[int, FrameType | None]] = []
 
@@ -61,6 +69,8 @@ class deferred:
         if threading.get_ident() != _MAIN:
             return
         if _State.depth == 0:
+            repair_trace()  # an earlier interrupt inside JAX's bind may have left none
+            _State.trace = current_trace()
             wanted = [s for s in _SIGNALS if _python_handler(signal.getsignal(s))]
             # One C call installs them all (no bytecode between two installs); a signal
             # that arrives meanwhile raises from signal.signal: undo what was installed.
@@ -85,6 +95,7 @@ class deferred:
         if _State.depth:
             return
         saved, _State.saved = _State.saved, {}
+        repair_trace(_State.trace)  # jax >= 0.11: see jax_api.repair_trace
         _restore(saved)
         pending, _State.pending = _State.pending, []
         for signum, frame in pending:

@@ -1,7 +1,16 @@
-"""The JAX internals paramstore relies on, in one place (written against jax 0.10).
+"""The JAX internals paramstore relies on, in one place, each checked at import by what it
+does (not by JAX's version number).
 
-* ``current_trace()``: the trace that new operations go to (``core.trace_ctx.trace``);
-  ``EVAL`` is the eager one. Reading it costs ~150 ns, so hot paths compare identity.
+paramstore runs on every JAX from 0.10.0 on (``jax>=0.10``, no upper bound). It uses
+public APIs (``jax.extend``, ``jax.ref``) wherever JAX has one; what remains private is
+here, one feature a name, each found by a small function that raises when this JAX lacks
+it (``_find``). At import, ``check()`` also runs a tiny traced program that exercises the
+trace machinery paramstore reads; any missing or changed feature makes ``import
+paramstore`` raise ``ImportError`` naming it, the installed JAX and the newest JAX known to
+work (``NEWEST_KNOWN``), rather than an ``AttributeError`` from inside the package later.
+
+* ``current_trace()``: the trace that new operations go to; ``EVAL`` is the eager one.
+  Reading it costs ~150 ns, so hot paths compare identity.
 * ``staging(trace)``: whether ``trace`` records a program to run later (``jax.jit``,
   ``make_jaxpr``, a control-flow body), looking through ``grad``/``vmap`` traces on top of
   it. A value read there and not passed in as an input would be baked in as a constant.
@@ -9,96 +18,175 @@
   that nested bodies close over it and their writes are ordinary ref effects.
 * ``tracer_in(trace, const)``: ``const`` as a tracer of a ``make_jaxpr`` trace, recorded as
   a constant of the jaxpr (which ``ps.function`` then lifts to an input).
-
-It also works around one bug of jax 0.10's state discharge: a ref that a ``while_loop``'s
-``cond_fun`` reads and its ``body_fun`` writes got two separate loop carries, so the
-condition saw the initial value forever (``while c < n: c += 1`` never ended). The rule
-here gives each distinct ref one carry that both functions use; loops whose condition
-reads no ref (or writes one) go to JAX's own rule. It is not registered for the process:
-``while_fix()`` installs it only while paramstore discharges its own programs (a
-``ps.function``'s jaxpr, before ``jax.jit`` sees it) or runs a binding frame (an eager
-``ps.pure``/gradient, whose loops run, and so are discharged, inside it); JAX's own rule is
-back as soon as the last user leaves, so code that never enters paramstore runs exactly
-as without it.
+* ``retrace``, ``discharge``, ``eval_eqn``: what ``_core.loops`` needs to rewrite a jaxpr
+  (JAX's ``while_loop`` state-discharge bug is worked around there, in paramstore's own
+  programs; no JAX rule is ever replaced).
+* ``repair_trace(saved)``: from jax 0.11 a ``KeyboardInterrupt`` that lands inside JAX's
+  ``Primitive.bind`` can leave the thread's current trace at ``None`` (every later JAX
+  operation in that thread then fails); ``_core.interrupts`` puts the saved one back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend as jex
+import jax.extend.core  # noqa: F401  (jex.core, jex.linear_util, jex.source_info_util)
+import jax.extend.linear_util  # noqa: F401
+import jax.extend.source_info_util  # noqa: F401
+import jaxlib
 
-# The tested range (pyproject's `jax>=0.10,<0.11`): the internals below and the while_loop
-# discharge rule are written against it.
-SUPPORTED = ((0, 10), (0, 11))
-
-
-def check_version(version: str) -> None:
-    """ImportError unless ``version`` (``jax.__version__``) is in the tested range."""
-    try:
-        found = tuple(int(p) for p in version.split(".")[:2])
-    except ValueError:
-        found = (-1, -1)
-    if not SUPPORTED[0] <= found < SUPPORTED[1]:
-        lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
-        raise ImportError(
-            f"paramstore needs jax >= {lo}, < {hi} (the versions it is tested with: it uses "
-            f"JAX internals that change between releases); found jax {version}. Install a "
-            f"supported one: pip install 'jax>={lo},<{hi}'."
-        )
-
-
-check_version(jax.__version__)
-
-from jax._src import core as _core  # noqa: E402
-from jax._src import dtypes as _jax_dtypes  # noqa: E402
-from jax._src import source_info_util as _source_info  # noqa: E402
-from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402
-from jax._src.interpreters import batching as _batching  # noqa: E402
-from jax._src.interpreters import partial_eval as _pe  # noqa: E402
-from jax._src.lax.control_flow import loops as _loops  # noqa: E402
-from jax._src.lib import xla_client as _xc  # noqa: E402
-from jax._src.state import discharge as _discharge  # noqa: E402
-from jax._src.state.types import AbstractRef, WriteEffect  # noqa: E402
+# The newest JAX this paramstore was run on (its suite passed there). Only a message: no
+# version number is ever compared.
+NEWEST_KNOWN = "0.12.0.1"
 
 __all__ = [
     "ARRAY_TYPE",
     "EVAL",
+    "ClosedJaxpr",
+    "DropVar",
+    "Jaxpr",
+    "Literal",
+    "jaxprs_in_params",
+    "NEWEST_KNOWN",
+    "AbstractRef",
     "Tracer",
+    "check",
     "current_trace",
-    "staging",
-    "ref_in",
-    "tracer_in",
-    "trace_of",
+    "device_assignment",
+    "discharge",
+    "eval_eqn",
+    "forget_traced_bodies",
+    "in_shard_map",
     "in_trace",
+    "in_while_body",
+    "in_while_cond",
+    "init_program",
     "pure_jaxpr",
     "put_on_device",
-    "vmap_home",
-    "in_while_cond",
-    "in_while_body",
-    "while_fix",
-    "enter_while_fix",
-    "exit_while_fix",
-    "init_program",
-    "in_shard_map",
-    "device_assignment",
+    "ref_in",
     "refuse_as_array",
+    "repair_trace",
+    "retrace",
+    "staging",
+    "trace_of",
+    "tracer_in",
+    "vmap_home",
+    "while_p",
 ]
 
+_missing: list[str] = []
+
+
+def _find(feature: str, get: Callable[[], Any]) -> Any:
+    """``get()``, or None with ``feature`` recorded as missing (``check`` raises)."""
+    try:
+        return get()
+    except Exception as e:  # AttributeError, ImportError...: this JAX lacks the feature
+        _missing.append(f"{feature} ({type(e).__name__}: {e})")
+        return None
+
+
+def _src(module: str) -> Any:
+    return __import__(f"jax._src.{module}", fromlist=["_"])
+
+
+# Public names first (jax.extend, jax.ref, jax.core.Tracer).
 Tracer = jax.core.Tracer
-ARRAY_TYPE: Any = _ArrayImpl  # jax.Array's concrete class, without creating an array
-EVAL = _core.eval_trace
-_STRONG = _core.trace_state_strong_ref
-_STAGING = _pe.DynamicJaxprTrace
+AbstractRef: Any = jax.ref.AbstractRef
+ClosedJaxpr: Any = jex.core.ClosedJaxpr  # from jax 0.12 the same class as Jaxpr
+Jaxpr: Any = jex.core.Jaxpr
+Literal: Any = jex.core.Literal
+DropVar: Any = jex.core.DropVar
+jaxprs_in_params = jex.core.jaxprs_in_params
+while_p: Any = jex.core.primitives.while_p
+_set_trace = jex.core.set_current_trace
+
+# The private features, each found by what it is.
+_core = _find("jax._src.core", lambda: _src("core"))
+_pe = _find("jax._src.interpreters.partial_eval", lambda: _src("interpreters.partial_eval"))
+_batching = _find("jax._src.interpreters.batching", lambda: _src("interpreters.batching"))
+EVAL: Any = _find("the eager trace (core.eval_trace)", lambda: _core.eval_trace)
+_STRONG: Any = _find(
+    "the current-trace state (core.trace_state_strong_ref)", lambda: _core.trace_state_strong_ref
+)
+_TRACE_CTX: Any = _find("the tracing context (core.trace_ctx)", lambda: _core.trace_ctx.set_trace)
+_STAGING: Any = _find("the staging trace (DynamicJaxprTrace)", lambda: _pe.DynamicJaxprTrace)
+_BATCH_TRACE: Any = _find("vmap's trace (BatchTrace)", lambda: _batching.BatchTrace)
+_BATCH_TRACER: Any = _find("vmap's tracer (BatchTracer)", lambda: _batching.BatchTracer)
+ARRAY_TYPE: Any = _find("jax.Array's class (ArrayImpl)", lambda: _src("array").ArrayImpl)
+_SHAPED: Any = _find("core.ShapedArray", lambda: _core.ShapedArray)
+_device_put: Any = _find(
+    "xla_client.batched_device_put", lambda: _src("lib").xla_client.batched_device_put
+)
+_discharge_state: Any = _find(
+    "state discharge (discharge_state)", lambda: _src("state.discharge").discharge_state
+)
+_trace_to_jaxpr: Any = _find("pe.trace_to_jaxpr_dynamic", lambda: _pe.trace_to_jaxpr_dynamic)
+_convert_constvars: Any = _find("pe.convert_constvars_jaxpr", lambda: _pe.convert_constvars_jaxpr)
+_dce: Any = _find("pe.dce_jaxpr", lambda: _pe.dce_jaxpr)
+_canonicalize: Any = _find(
+    "dtypes.register_canonicalize_value_handler",
+    lambda: _src("dtypes").register_canonicalize_value_handler,
+)
+_aval_mappings: Any = _find("core.pytype_aval_mappings", lambda: _core.pytype_aval_mappings)
+# JAX's caches of traced Python functions, keyed by the function object (a module-level
+# loop body, an inner jax.jit): a jaxpr traced inside a paramstore frame closes over that
+# frame's refs, so it must not outlive the frame (forget_traced_bodies). Optional: a JAX
+# without one of them has nothing there to forget.
+_BODY_CACHES: list[Any] = [
+    cache
+    for module, name in (
+        ("interpreters.partial_eval", "trace_to_jaxpr"),
+        ("interpreters.partial_eval", "_cached_trace_to_jaxpr"),
+        ("ad_checkpoint", "_trace_to_jaxpr"),
+        ("ad_checkpoint", "_dyn_args_fun_cached"),
+        ("pjit", "_infer_params_cached"),
+    )
+    for cache in [getattr(_src(module), name, None)]
+    if callable(getattr(cache, "cache_clear", None))
+]
+if not _BODY_CACHES:
+    _missing.append("the cache of traced loop bodies (partial_eval.trace_to_jaxpr)")
+# discharge_state(strip_memory_space=) (jax 0.11.1+): its default changed between releases;
+# paramstore keeps memory spaces (pinned_host slots), so it always passes False.
+_STRIP = _discharge_state is not None and (
+    "strip_memory_space" in inspect.signature(_discharge_state).parameters
+)
 
 
 def current_trace() -> Any:
-    """The trace new operations go to (``EVAL`` when nothing is being traced)."""
-    return _STRONG.value
+    """The trace new operations go to (``EVAL`` when nothing is being traced). ``None``,
+    the damage an interrupt inside JAX's ``bind`` leaves (``repair_trace``), is mended here:
+    every read, assign and compiled call asks this first."""
+    trace = _STRONG.value
+    if trace is None:
+        _TRACE_CTX(EVAL)
+        return EVAL
+    return trace
+
+
+def repair_trace(saved: Any = None) -> None:
+    """Put ``saved`` (default: the eager trace) back as the current trace when an interrupt
+    inside JAX's ``bind`` left none (see the module docstring). paramstore's code never
+    runs inside the window where JAX itself sets none, so ``None`` here is that damage."""
+    if _STRONG.value is None:
+        _TRACE_CTX(EVAL if saved is None else saved)
+
+
+def forget_traced_bodies() -> None:
+    """Drop JAX's cached jaxprs of traced Python functions (loop and branch bodies, inner
+    ``jax.jit``, ``jax.checkpoint``). JAX caches them by the function object: a module-level
+    body traced inside a paramstore frame closes over that frame's refs, and a later trace
+    with the very same body would reuse them (a leaked tracer, or reads and writes of a dead
+    frame's state). A frame that made refs calls this when it ends; JAX then traces such
+    bodies again (about what a new ``ps.function`` signature costs anyway)."""
+    for cache in _BODY_CACHES:
+        cache.cache_clear()
 
 
 def staging(trace: Any) -> bool:
@@ -117,18 +205,18 @@ def trace_of(x: Any) -> Any:
 
 def in_trace(trace: Any) -> Any:
     """A context manager making ``trace`` the current trace (an enclosing one)."""
-    return _core.set_current_trace(trace)
+    return _set_trace(trace)
 
 
 def ref_in(trace: Any, value: Any) -> Any:
     """``jax.new_ref(value)`` created in ``trace`` rather than the current trace."""
-    with _core.set_current_trace(trace):
+    with _set_trace(trace):
         return jax.new_ref(value)
 
 
 def tracer_in(trace: Any, const: Any) -> Any:
     """``const`` as a tracer of the staging ``trace``: a constant of its jaxpr."""
-    return trace.to_jaxpr_tracer(const, _source_info.current())
+    return trace.to_jaxpr_tracer(const, jex.source_info_util.current())
 
 
 def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
@@ -140,8 +228,8 @@ def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
     that does not depend on the batch. The walk stops at ``stop`` (the ref's own trace)."""
     trace = current_trace()
     home = None
-    while trace is not stop and isinstance(trace, _batching.BatchTrace):
-        if isinstance(value, _batching.BatchTracer) and value._trace is trace:
+    while trace is not stop and isinstance(trace, _BATCH_TRACE):
+        if isinstance(value, _BATCH_TRACER) and value._trace is trace:
             if value.batch_dim is not None:
                 return None, True
             value = value.val
@@ -154,8 +242,8 @@ def init_program(jaxpr: Any, used_out: list[bool]) -> tuple[Any, list[bool]]:
     """``jaxpr`` (an open jaxpr) with its constants turned into leading inputs, cut down
     to the computation of the outputs marked in ``used_out``; and which inputs (constants
     first) that computation uses."""
-    with_consts = _pe.convert_constvars_jaxpr(jaxpr)
-    return _pe.dce_jaxpr(with_consts, used_out)  # type: ignore[no-any-return]
+    with_consts = _convert_constvars(jaxpr)
+    return _dce(with_consts, used_out)  # type: ignore[no-any-return]
 
 
 def device_assignment(sharding: Any) -> list[Any]:
@@ -191,7 +279,7 @@ def in_shard_map(stop: Any) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _aval(shape: tuple[int, ...], dtype: Any) -> Any:
-    return _core.ShapedArray(shape, dtype)
+    return _SHAPED(shape, dtype)
 
 
 def put_on_device(arr: Any, sharding: Any, device: Any) -> jax.Array:
@@ -199,126 +287,40 @@ def put_on_device(arr: Any, sharding: Any, device: Any) -> jax.Array:
     device (``sharding`` a ``SingleDeviceSharding`` of ``device``, default memory): the XLA
     call ``device_put`` ends in, without its per-array Python. Restoring 4,096 arrays of
     16 KiB took 136-157 ms through ``jax.device_put`` and 26 ms this way (2026-11-22)."""
-    return _xc.batched_device_put(_aval(arr.shape, arr.dtype), sharding, [arr], [device], True)
+    return _device_put(_aval(arr.shape, arr.dtype), sharding, [arr], [device], True)  # type: ignore[no-any-return]
 
 
-def pure_jaxpr(closed: Any) -> Any:
+def discharge(closed: Any, should_discharge: bool | Sequence[bool]) -> Any:
+    """``closed`` (a closed jaxpr) with its refs (those marked) turned into values: JAX's
+    own ``discharge_state``, memory spaces kept."""
+    if _STRIP:
+        return _discharge_state(closed, should_discharge=should_discharge, strip_memory_space=False)
+    return _discharge_state(closed, should_discharge=should_discharge)
+
+
+def pure_jaxpr(closed: Any, rewrite: Callable[[Any], Any] = lambda c: c) -> Any:
     """``closed`` with its refs discharged (a pure jaxpr with the same outputs), so that
-    dead-code elimination sees true data dependence rather than keeping every effect; a
-    ``while_loop`` whose condition reads a ref its body writes gets one carry for it
-    (``while_fix``). The debug info (argument names) is kept."""
-    with while_fix():
-        pure = _discharge.discharge_state(closed, should_discharge=False)
+    dead-code elimination sees true data dependence rather than keeping every effect;
+    ``rewrite`` (``_core.loops.fix_while``) runs first. The debug info is kept."""
+    pure = discharge(rewrite(closed), False)
     info = closed.jaxpr.debug_info
-    return _core.ClosedJaxpr(pure.jaxpr.replace(debug_info=info), pure.consts)
+    return ClosedJaxpr(pure.jaxpr.replace(debug_info=info), pure.consts)
 
 
-# ------------------------------------------------------- while_loop state discharge fix
-
-_RULES = _discharge._partial_discharge_rules
-_jax_while_rule = _RULES[_loops.while_p]
-_fix_lock = threading.Lock()
-_fix_users = 0  # enter_while_fix calls not yet matched by exit_while_fix, all threads
-
-
-def enter_while_fix() -> None:
-    """Install paramstore's ``while`` discharge rule (counted: the first user installs it)."""
-    global _fix_users
-    with _fix_lock:
-        _fix_users += 1
-        if _fix_users == 1:
-            _RULES[_loops.while_p] = _while_rule
+def retrace(fun: Callable[..., list[Any]], in_avals: list[Any], debug_info: Any) -> Any:
+    """The closed jaxpr of ``fun`` traced over ``in_avals`` (refs included)."""
+    wrapped = jex.linear_util.wrap_init(fun, debug_info=debug_info)
+    jaxpr, _, consts = _trace_to_jaxpr(wrapped, in_avals)[:3]
+    return ClosedJaxpr(jaxpr, consts)
 
 
-def exit_while_fix() -> None:
-    """Undo one ``enter_while_fix``; the last one puts JAX's own rule back."""
-    global _fix_users
-    with _fix_lock:
-        _fix_users -= 1
-        if _fix_users == 0:
-            _RULES[_loops.while_p] = _jax_while_rule
-
-
-@contextlib.contextmanager
-def while_fix() -> Iterator[None]:
-    """The fixed ``while`` discharge rule in force inside the block (see the module
-    docstring); JAX's own rule before and after."""
-    enter_while_fix()
-    try:
-        yield
-    finally:
-        exit_while_fix()
-
-
-def _while_rule(
-    should_discharge: Any,
-    in_avals: Any,
-    out_avals: Any,
-    *args: Any,
-    cond_jaxpr: Any,
-    body_jaxpr: Any,
-    cond_nconsts: int,
-    body_nconsts: int,
-) -> tuple[list[Any], list[Any]]:
-    n_consts = cond_nconsts + body_nconsts
-    is_ref = [isinstance(a, AbstractRef) and s for a, s in zip(in_avals, should_discharge)]
-    cond_writes = any(isinstance(e, WriteEffect) for e in _core.positional_effects(cond_jaxpr))
-    if not any(is_ref[:cond_nconsts]) or any(is_ref[n_consts:]) or cond_writes:
-        return _jax_while_rule(  # type: ignore[no-any-return,return-value]
-            should_discharge,
-            in_avals,
-            out_avals,
-            *args,
-            cond_jaxpr=cond_jaxpr,
-            body_jaxpr=body_jaxpr,
-            cond_nconsts=cond_nconsts,
-            body_nconsts=body_nconsts,
-        )
-    # One carry slot per distinct ref: the same jaxpr variable has the same aval object
-    # (JAX's own rule identifies refs this way) and the same value.
-    slot: list[int] = []
-    firsts: list[int] = []
-    for i in range(n_consts):
-        if not is_ref[i]:
-            slot.append(-1)
-            continue
-        same = [
-            k for k, j in enumerate(firsts) if in_avals[j] is in_avals[i] and args[j] is args[i]
-        ]
-        slot.append(same[0] if same else len(firsts))
-        if not same:
-            firsts.append(i)
-    n_carry = len(args) - n_consts
-    carry_flags = [False] * n_carry
-    cond = _discharge.discharge_state(
-        cond_jaxpr, should_discharge=[*is_ref[:cond_nconsts], *carry_flags]
-    )
-    body = _discharge.discharge_state(
-        body_jaxpr, should_discharge=[*is_ref[cond_nconsts:n_consts], *carry_flags]
-    )
-    body_refs = [i for i in range(cond_nconsts, n_consts) if is_ref[i]]
-
-    def consts(lo: int, hi: int, refs: list[Any]) -> list[Any]:
-        return [refs[slot[i]] if is_ref[i] else args[i] for i in range(lo, hi)]
-
-    def cond_fun(state: tuple[list[Any], list[Any]]) -> Any:
-        refs, carry = state
-        return _core.eval_jaxpr(cond.jaxpr, cond.consts, *consts(0, cond_nconsts, refs), *carry)[0]
-
-    def body_fun(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
-        refs, carry = state
-        outs = _core.eval_jaxpr(
-            body.jaxpr, body.consts, *consts(cond_nconsts, n_consts, refs), *carry
-        )
-        refs = list(refs)
-        for i, x in zip(body_refs, outs[n_carry:]):
-            refs[slot[i]] = x
-        return refs, list(outs[:n_carry])
-
-    init = ([args[j] for j in firsts], list(args[n_consts:]))
-    refs, carry = jax.lax.while_loop(cond_fun, body_fun, init)
-    new = [refs[slot[i]] if is_ref[i] else None for i in range(n_consts)]
-    return [*new, *[None] * n_carry], carry
+def eval_eqn(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Bind ``eqn``'s primitive to ``invals`` with ``params`` in its own context, as
+    ``core.eval_jaxpr`` does; always a list of outputs."""
+    bind_params = eqn.primitive.get_bind_params(params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def refuse_as_array(cls: type, message: Any) -> None:
@@ -334,5 +336,64 @@ def refuse_as_array(cls: type, message: Any) -> None:
     def refuse(x: Any) -> Any:
         raise ValueError(message(x))
 
-    _jax_dtypes.register_canonicalize_value_handler(cls, refuse)
-    _core.pytype_aval_mappings[cls] = refuse
+    _canonicalize(cls, refuse)
+    _aval_mappings[cls] = refuse
+
+
+def _probe() -> Iterator[str]:
+    """Run a tiny program through the trace machinery paramstore reads; yield what fails."""
+    if current_trace() is not EVAL:
+        yield "the eager trace is the current trace outside any transformation"
+    seen: dict[str, Any] = {}
+
+    def cond(c: Any) -> Any:
+        seen["cond"] = in_while_cond(None) and staging(current_trace())
+        return c < 2
+
+    def body(c: Any) -> Any:
+        seen["body"] = in_while_body(None)
+        r = ref_in(current_trace(), c)
+        r[...] = r[...] + 1
+        return r[...]
+
+    def program(x: Any) -> Any:
+        seen["jit"] = staging(current_trace())
+        y = jax.lax.while_loop(cond, body, x)
+        jax.vmap(per_row)(jax.numpy.ones(2) * y)
+        return y
+
+    def per_row(z: Any) -> Any:
+        seen["vmap"] = vmap_home(z, None)[1]
+        return z
+
+    closed = jax.make_jaxpr(program)(0)
+    for what in ("cond", "body", "jit", "vmap"):
+        if seen.get(what) is not True:
+            yield f"recognizing a {what} trace (DynamicJaxprTrace.frame.debug_info.traced_for)"
+    sub = [j for e in closed.jaxpr.eqns for j in jaxprs_in_params(e.params)]
+    body_jaxpr = [j for j in sub if any(e.primitive.name == "new_ref" for e in j.eqns)]
+    if not body_jaxpr:
+        yield "refs created in a loop body (jax.new_ref as a new_ref equation)"
+    else:
+        discharge(ClosedJaxpr(body_jaxpr[0], []), False)
+
+
+def check() -> None:
+    """ImportError naming every internal this JAX lacks (see the module docstring)."""
+    problems = list(_missing)
+    if not problems:
+        try:
+            problems += list(_probe())
+        except Exception as e:
+            problems.append(f"tracing a small program ({type(e).__name__}: {e})")
+    if problems:
+        raise ImportError(
+            f"paramstore cannot run on the installed jax {jax.__version__} (jaxlib "
+            f"{jaxlib.__version__}): it relies on JAX features this version lacks or changed: "
+            + "; ".join(problems)
+            + f". The newest JAX known to work is {NEWEST_KNOWN}: pip install "
+            f"'jax=={NEWEST_KNOWN}' 'jaxlib=={NEWEST_KNOWN}' (or a newer paramstore)."
+        )
+
+
+check()

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
-from paramstore._core.jax_api import init_program, pure_jaxpr
+from paramstore._core.jax_api import Tracer, init_program
+from paramstore._core.loops import pure
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import in_host_memory
 from paramstore._function.entry import Entry
@@ -156,9 +157,9 @@ def _lift(
     n_out = len(lift.outvars) - len(assigned)
     program = jex.core.ClosedJaxpr(lifted, lift.consts)
     # Variables promoted to refs in control flow (by this frame or a ps.pure/gradient frame
-    # inside it): discharged here, with jax_api's while_loop rule, not by jax.jit.
+    # inside it): discharged here (with _core.loops' while_loop fix), not by jax.jit.
     if frame.refs or any(e.primitive.name == "new_ref" for e in lifted.eqns):
-        program = pure_jaxpr(program)
+        program = pure(program)
 
     # An output that is also a variable's new value or a donated input (`return
     # v.value()` after `v.assign_add(1)`) would be one buffer for both, which then
@@ -344,7 +345,7 @@ def _initialize(
     trace ``closed``: run the part of the jaxpr they depend on, once, and write them.
     ``arrays``: the first call's arguments (only ``initial_from_first_call`` variables may
     depend on them)."""
-    closed = pure_jaxpr(closed)
+    closed = pure(closed)
     jaxpr = closed.jaxpr
     n_out, n_created = len(jaxpr.outvars), len(created)
     names = ", ".join(f"'{v.name}'" for v, _ in created)
@@ -391,7 +392,7 @@ def _arguments_refused(
     """Whether an initial value that depends on the arguments is refused: arguments that
     are traced (a ps.function inside another trace), or a variable that depends on them
     and is not ``initial_from_first_call``'s."""
-    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+    if any(isinstance(a, Tracer) for a in arrays):
         return True
     n_out, n_created = len(jaxpr.outvars), len(created)
     for i, (var, _) in enumerate(created):

@@ -28,7 +28,7 @@ from paramstore._core.dtypes import (
     strong,
     to_strings,
 )
-from paramstore._core.jax_api import ARRAY_TYPE, Tracer
+from paramstore._core.jax_api import ARRAY_TYPE, Tracer, current_trace
 from paramstore._core.ownership import ownership
 from paramstore._variable.initial import broadcasts, utf8
 from paramstore._variable.ops import unwrap
@@ -106,6 +106,7 @@ def coerce(var: Variable, value: Any, op: str, *, host: bool = False) -> Any:
     A jax.Array (or tracer) stays one, without a weak type. Python and NumPy values
     become a jax.Array or, with ``host``, a private NumPy copy (for an update op, which
     moves it to the device itself, and more cheaply)."""
+    current_trace()  # mends a trace an interrupt inside JAX left unset (jax_api)
     value = unwrap(value)
     dst = var._dtype
     name = var._name

@@ -38,6 +38,7 @@ from paramstore import constraints as _constraints
 from paramstore import regularizers as _regularizers
 from paramstore._core import frames as _trace
 from paramstore._core.dtypes import STRING, canonical_dtype, is_key_dtype, shape_error
+from paramstore._core.jax_api import current_trace
 from paramstore._core.layout import Partition, check_partition, may_shard, target
 from paramstore._core.placement import check_fits
 from paramstore._variable import abstract as _abstract
@@ -131,6 +132,7 @@ def created(
 ) -> tuple[Any, bool, Sharding | None]:
     """``(value, owned, sharding to place it on)`` of a new concrete variable (see the
     module docstring); the sharding is None when the value is already where it belongs."""
+    current_trace()  # mends a trace an interrupt inside JAX left unset (jax_api)
     if (
         _lazy(initial_value)
         and _trace.creation_trace() is None

@@ -83,7 +83,7 @@ def map_tensor(fileno: int, e: Entry, path: str) -> np.ndarray:
             "while it was read."
         ) from None
     arr = np.frombuffer(m, e.dtype.newbyteorder("<"), count, e.start - start).reshape(e.shape)
-    if e.code == "BOOL" and arr.view(np.uint8).max() > 1:
+    if e.code == "BOOL" and int(np.max(arr.view(np.uint8), initial=0)) > 1:
         raise CheckpointError(
             f"Checkpoint '{path}' is corrupt: bool tensor '{e.name}' holds bytes other than 0 "
             "and 1."
