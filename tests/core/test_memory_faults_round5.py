@@ -314,3 +314,36 @@ def test_module_enable_lora_over_saved_values_of_another_rank_leaves_nothing(tmp
         assert _names(store) == ["dense/bias", "dense/kernel"] and not layer.lora_enabled
         assert ps.nn.enable_lora(layer, 2) == [layer]
         assert _names(store)[2:] == ["dense/lora_kernel_a", "dense/lora_kernel_b"]
+
+
+def test_a_resumed_model_built_in_the_first_trace_gets_its_weights_and_averages(tmp_path):
+    """The model itself is built in the step's first trace, after the restore: its
+    variables and their shadows all take their saved values there."""
+    x, y = jnp.ones((2, 3)), jnp.zeros((2, 2))
+
+    def make():
+        model = ps.nn.Dense(2)
+        ema = ps.ExponentialMovingAverage(0.5)
+
+        @ps.function
+        def step(x, y):
+            out = model(x)  # builds the model in the first trace
+            model.kernel.assign_sub(0.1 * x.T @ (out - y))
+            ema.apply(model)
+
+        return model, ema, step
+
+    with ps.VariableStore():
+        model, ema, step = make()
+        step(x, y)
+        step(x, y)
+        path = ps.Checkpoint(model=model, ema=ema).save(tmp_path / "c")
+        step(x, y)
+        want = [ema.average(model.kernel).numpy(), model.kernel.numpy()]
+    with ps.VariableStore():
+        model, ema, step = make()
+        status = ps.Checkpoint(model=model, ema=ema).restore(path)
+        step(x, y)
+        np.testing.assert_allclose(ema.average(model.kernel).numpy(), want[0], rtol=1e-6)
+        np.testing.assert_allclose(model.kernel.numpy(), want[1], rtol=1e-6)
+        status.assert_consumed()
