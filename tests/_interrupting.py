@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from paramstore._core.context import STATE_LOCK
@@ -155,6 +156,10 @@ def sweep(
                 now = _read(variables())
             except Exception as e:  # noqa: BLE001
                 raise AssertionError(f"interrupt at event {k}/{total}: unreadable: {e}") from e
+            try:  # plain JAX works on (jax >= 0.11 could be left with no current trace)
+                assert float(jnp.add(1.0, 1.0)) == 2.0
+            except Exception as e:  # noqa: BLE001
+                raise AssertionError(f"interrupt at event {k}/{total}: JAX broken: {e}") from e
             if _same(now, before):
                 seen["before"] += 1
             elif _same(now, after):

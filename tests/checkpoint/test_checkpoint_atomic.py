@@ -240,7 +240,10 @@ def test_sharded_saves_and_reads_of_one_path_from_threads(tmp_path):
 
 
 def test_strings_that_are_not_utf8_are_a_checkpoint_error_naming_them(tmp_path):
-    bad = np.array([b"\xff\xfe"]).astype(np.dtypes.StringDType())  # bytes kept undecoded
+    try:
+        bad = np.array([b"\xff\xfe"]).astype(np.dtypes.StringDType())  # bytes kept undecoded
+    except TypeError:  # NumPy >= 2.5 refuses them: no such array can reach a save there
+        pytest.skip("this NumPy refuses invalid UTF-8 in a StringDType array")
     with pytest.raises(CheckpointError, match=r"Cannot save 's': its strings are not valid"):
         checkpoint.write_arrays(tmp_path / "c.safetensors", {"s": bad, "x": np.ones(2)})
     assert os.listdir(tmp_path) == []  # nothing written, no temporary left
