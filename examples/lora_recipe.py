@@ -48,8 +48,8 @@ def policy(name: str | None) -> Iterator[None]:
         yield
         return
     before = ps.mixed_precision.global_policy()
-    ps.mixed_precision.set_global_policy(name)
-    try:
+    try:  # set inside the try: Ctrl-C right after it still puts the previous one back
+        ps.mixed_precision.set_global_policy(name)
         yield
     finally:
         ps.mixed_precision.set_global_policy(before)
