@@ -217,7 +217,7 @@ def journal() -> Iterator[list[tuple[VariableStore, str]]]:
     scopes and variables, in any store), for ``give_back`` when what the block built
     fails. Nested blocks each see the names taken inside them."""
     entries: list[tuple[VariableStore, str]] = []
-    ctx.journals.append(entries)
+    ctx.journals += (entries,)  # no call, so no signal check, before the try
     try:
         yield entries
     finally:
