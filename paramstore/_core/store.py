@@ -221,8 +221,11 @@ def journal() -> Iterator[list[tuple[VariableStore, str]]]:
     try:
         yield entries
     finally:
-        stack = ctx.journals  # (by identity: two empty journals compare equal)
-        del stack[max(i for i, e in enumerate(stack) if e is entries)]
+        stack = ctx.journals
+        if stack and stack[-1] is entries:  # the usual case, with no call (no signal check)
+            del stack[-1]
+        else:  # by identity (two empty journals compare equal)
+            del stack[max(i for i, e in enumerate(stack) if e is entries)]
 
 
 def give_back(
