@@ -1,0 +1,395 @@
+"""Quantized weights, per layer: Keras 3's ``int8`` and per-channel ``int4`` math, and the
+``quantize`` / ``dequantize`` of one ``Dense`` or ``Embedding`` (``QuantLayer``).
+
+Contract (docs/api.md, "Quantized weights"; the model-wide ``ps.nn.quantize`` is
+``paramstore.nn.quantize``):
+
+* ``int8``: ``q = clip(round(w * s), -127, 127)`` with ``s = 127 / (max|w| + 1e-7)`` over
+  the *reduced* axis: a ``Dense`` kernel's input axis (one scale per output unit,
+  ``kernel_scale`` ``(units,)``), an ``Embedding`` table's output axis (one scale per row,
+  ``embeddings_scale`` ``(input_dim,)``). The arithmetic is float32 and bit-identical to
+  Keras 3's ``abs_max_quantize`` (IEEE division, round half to even).
+* ``int4``: the same with ``[-8, 7]`` and ``s = 7 / (max|w| + 1e-7)``, the values packed two
+  per byte along the last axis (low nibble first, an odd axis padded with 0), as Keras 3's
+  ``pack_int4(..., axis=-1)``: a kernel ``(in, units)`` is stored ``(in, ceil(units/2))``.
+* The quantized variable keeps the float one's full name (``dense/kernel``), is int8 and
+  non-trainable; the scale is float32 ``<name>_scale``, non-trainable. Both get the float
+  variable's sharding (the scale: without the reduced axis) and ``partition``; an abstract
+  float variable gives abstract quantized ones (their initializer quantizes the float one's).
+  The float variable is *retired* (``TRACE_EPOCH.retire``): a ``ps.function`` traced before
+  is traced anew at its next call.
+* Call time (``Dense``): ``int8`` quantizes the inputs per row (over the last axis), multiplies
+  in int8 with int32 accumulation, casts to the compute dtype and divides by both scales;
+  the gradient of the inputs is that of the dequantized kernel (Keras' custom gradient); the
+  kernel and its scale take none. ``int4`` computes ``x @ unpack(kernel) / kernel_scale`` in
+  the compute dtype. ``Embedding``: the rows, cast to the compute dtype, divided by their
+  scales. LoRA (QLoRA) adds ``(lora_alpha / rank) * x @ a @ b`` on the float inputs.
+* ``dequantize`` puts back a float variable (``unpack(q) / scale`` in the layer's variable
+  dtype) under the same name with the ``trainable`` flag it had before ``quantize``.
+* Refused, with nothing changed (``ValueError`` naming the layer): an unknown mode (the
+  message lists the modes), an unbuilt layer, a layer quantized already, a layer with LoRA
+  enabled (merge it first: the adapter would no longer match the kernel it was trained on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from paramstore._core.context import TRACE_EPOCH
+from paramstore._variable import abstract as _abstract
+from paramstore.nn._lora import LoRALayer
+from paramstore.variable import Variable
+
+__all__ = [
+    "MODES",
+    "QuantLayer",
+    "abs_max_quantize",
+    "check_mode",
+    "dequantized",
+    "int4_matmul",
+    "int8_matmul",
+    "pack_int4",
+    "quantize_inputs",
+    "quantized_shape",
+    "unpack_int4",
+]
+
+MODES = ("int8", "int4")
+EPSILON = 1e-7  # Keras' backend.epsilon()
+_RANGE = {"int8": (-127, 127), "int4": (-8, 7)}
+
+
+def check_mode(mode: Any, who: str) -> str:
+    """``mode`` if it is one of ``MODES``, else ``ValueError`` naming ``who`` and the modes."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(
+            f"{who}: unknown quantization mode {mode!r}; the modes are "
+            f"{', '.join(repr(m) for m in MODES)} (Keras 3's int8 and per-channel int4)."
+        )
+    return mode
+
+
+# ------------------------------------------------------------------------ the arithmetic
+
+
+def abs_max_quantize(w: Any, axis: int, mode: str) -> tuple[jax.Array, jax.Array]:
+    """``(q, scale)``: ``w`` quantized over ``axis`` (int8 values, not packed) and the float32
+    scale with ``axis`` removed, as Keras 3's ``abs_max_quantize``."""
+    low, high = _RANGE[mode]
+    w32 = jnp.asarray(w).astype(jnp.float32)
+    scale = jnp.float32(high) / (
+        jnp.max(jnp.abs(w32), axis=axis, keepdims=True) + jnp.float32(EPSILON)
+    )
+    q = jnp.clip(jnp.round(w32 * scale), low, high).astype(jnp.int8)
+    return q, jnp.squeeze(scale, axis)
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """Int4 values (int8 in [-8, 7]) packed two per byte along the last axis, low nibble
+    first (an odd axis is padded with 0), as Keras 3's ``pack_int4(q, axis=-1)``."""
+    n = q.shape[-1]
+    if n % 2:
+        q = jnp.concatenate([q, jnp.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)
+    u = jax.lax.bitcast_convert_type(q, jnp.uint8) & jnp.uint8(0x0F)
+    packed = u[..., ::2] | (u[..., 1::2] << jnp.uint8(4))
+    return jax.lax.bitcast_convert_type(packed, jnp.int8)
+
+
+def unpack_int4(packed: jax.Array, n: int) -> jax.Array:
+    """The int8 values in [-8, 7] that ``pack_int4`` packed (last axis of length ``n``)."""
+    u = jax.lax.bitcast_convert_type(packed, jnp.uint8)
+    nibbles = jnp.stack([u & jnp.uint8(0x0F), u >> jnp.uint8(4)], axis=-1)
+    signed = nibbles.astype(jnp.int8)
+    signed = jnp.where(signed >= 8, signed - jnp.int8(16), signed)
+    return signed.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :n]
+
+
+def quantized_shape(shape: tuple[int, ...], mode: str) -> tuple[int, ...]:
+    """The stored shape of a quantized variable of float ``shape`` (int4: last axis halved,
+    rounded up)."""
+    if mode == "int4":
+        return (*shape[:-1], (shape[-1] + 1) // 2)
+    return tuple(shape)
+
+
+def dequantized(q: jax.Array, scale: jax.Array, axis: int, mode: str, n: int, dtype: Any) -> Any:
+    """The float values ``q`` (packed when int4, last axis ``n``) stand for, in ``dtype``."""
+    values = unpack_int4(q, n) if mode == "int4" else q
+    return (values.astype(jnp.float32) / jnp.expand_dims(scale, axis)).astype(dtype)
+
+
+def quantize_inputs(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(int8 x, scale)`` per row (over the last axis), in ``x``'s dtype, as Keras 3's
+    ``AbsMaxQuantizer(axis=-1)`` at call time."""
+    scale = 127.0 / (jnp.max(jnp.abs(x), axis=-1, keepdims=True) + EPSILON)
+    scale = scale.astype(x.dtype)
+    return jnp.clip(jnp.round(x * scale), -127, 127).astype(jnp.int8), scale
+
+
+@jax.custom_vjp
+def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x @ kernel`` for an int8 ``kernel`` with ``scale`` (``x``'s dtype): ``x`` quantized
+    per row, int8 x int8 with int32 accumulation, cast to ``x``'s dtype, divided by both
+    scales (Keras 3's ``Dense._int8_call``)."""
+    xq, xs = quantize_inputs(x)
+    y = jnp.matmul(xq, kernel, preferred_element_type=jnp.int32).astype(x.dtype)
+    return y / (scale * xs)
+
+
+def _int8_fwd(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> Any:
+    return int8_matmul(x, kernel, scale.astype(x.dtype)), (kernel, scale.astype(x.dtype))
+
+
+def _int8_bwd(res: Any, g: jax.Array) -> tuple[Any, ...]:
+    kernel, scale = res
+    dtype = scale.dtype  # x's
+    float_kernel = kernel.astype(dtype) / scale
+    dx = jnp.matmul(g, float_kernel.T).astype(dtype)
+    return dx, np.zeros(kernel.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+
+
+int8_matmul.defvjp(_int8_fwd, _int8_bwd)
+
+
+def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, units: int) -> jax.Array:
+    """``x @ unpack(packed) / scale`` in ``x``'s dtype (inputs not quantized; Keras 3's
+    per-channel int4 ``Dense``)."""
+    kernel = unpack_int4(packed, units).astype(x.dtype)
+    return jnp.matmul(x, kernel).astype(x.dtype) / scale
+
+
+# -------------------------------------------------------------- variables of one layer
+
+
+def _drop_axis(sharding: Sharding | None, ndim: int, axis: int) -> Sharding | None:
+    """``sharding`` of an array of rank ``ndim`` without ``axis`` (a scale's sharding)."""
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+        del spec[axis]
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+    return sharding if sharding is None or sharding.is_fully_replicated else None
+
+
+def _packed_sharding(sharding: Sharding | None, shape: tuple[int, ...]) -> Sharding | None:
+    """``sharding`` for a packed int4 value of ``shape`` (unsplit where it does not divide)."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding if sharding is None or sharding.is_fully_replicated else None
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for i, entry in enumerate(spec):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        size = int(np.prod([sharding.mesh.shape[a] for a in names], dtype=np.int64))
+        if shape[i] % size:
+            spec[i] = None
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
+def _drop_entry(partition: Any, ndim: int, axis: int) -> Any:
+    if partition is None:
+        return None
+    entries = list(partition) + [None] * (ndim - len(partition))
+    del entries[axis]
+    return tuple(entries)
+
+
+def new_variable(
+    old: Variable,
+    name: str,
+    make: Callable[[], Any],
+    shape: tuple[int, ...],
+    dtype: Any,
+    sharding: Sharding | None,
+    partition: Any,
+    trainable: bool,
+) -> Variable:
+    """A variable of full name ``name`` in ``old``'s store, abstract when ``old`` is (then
+    ``make`` is its initializer), else holding ``make()``, with this sharding."""
+    with old._store:
+        if old.is_abstract:
+            with _abstract.abstract():
+                return Variable(
+                    make,
+                    trainable=trainable,
+                    dtype=dtype,
+                    sharding=sharding,
+                    partition=partition,
+                    _full_name=name,
+                )
+        value = make()
+        if sharding is not None:
+            value = jax.device_put(value, sharding)
+        assert value.shape == shape, (value.shape, shape)
+        return Variable(
+            value,
+            trainable=trainable,
+            dtype=dtype,
+            sharding=sharding,
+            partition=partition,
+            _full_name=name,
+        )
+
+
+def _float_maker(old: Variable) -> Callable[[], Any]:
+    """The float value of ``old`` (its initializer when abstract)."""
+    if old.is_abstract:
+        _known, make = _abstract.initializer_of(old)
+        if make is None:
+            return lambda: jnp.zeros(old.shape, old.dtype)
+        return make
+    return old.value
+
+
+def replace(holder: Any, attr: str, new: Variable) -> None:
+    """Put ``new`` in place of ``holder.attr`` (same full name) and retire the old one."""
+    old = getattr(holder, attr)
+    old._store._forget(old)
+    setattr(holder, attr, new)
+    TRACE_EPOCH.retire(old)
+
+
+def quantize_variable(
+    old: Variable, axis: int, mode: str, scale_name: str
+) -> tuple[Variable, Variable]:
+    """The quantized variable (same full name; call ``replace`` to swap it in) and its
+    scale for the float variable ``old`` reduced over ``axis``."""
+    float_of = _float_maker(old)
+    memo: dict[str, Any] = {}
+
+    def quantized() -> tuple[jax.Array, jax.Array]:
+        if "q" not in memo or old.is_abstract:
+            q, s = abs_max_quantize(float_of(), axis, mode)
+            memo["q"] = (pack_int4(q) if mode == "int4" else q, s)
+        return memo["q"]  # type: ignore[no-any-return]
+
+    shape = quantized_shape(old.shape, mode)
+    sharding = old.sharding
+    q_sharding = _packed_sharding(sharding, shape) if mode == "int4" else sharding
+    s_shape = tuple(d for i, d in enumerate(old.shape) if i != axis % old.ndim)
+    base = old.name.rsplit("/", 1)[0] + "/" if "/" in old.name else ""
+    old._store._forget(old)  # the name is the quantized variable's from now on
+    try:
+        q = new_variable(
+            old, old.name, lambda: quantized()[0], shape, jnp.int8, q_sharding,
+            old.partition, False,
+        )  # fmt: skip
+        s = new_variable(
+            old, base + scale_name, lambda: quantized()[1], s_shape, jnp.float32,
+            _drop_axis(sharding, old.ndim, axis), _drop_entry(old.partition, old.ndim, axis),
+            False,
+        )  # fmt: skip
+    except BaseException:
+        old._store.register(old, old.name, exact=True)
+        raise
+    return q, s
+
+
+def dequantize_variable(
+    q: Variable, s: Variable, axis: int, mode: str, n: int, dtype: Any, trainable: bool
+) -> Variable:
+    """The float variable (``q``'s full name) that ``q`` and its scale ``s`` stand for."""
+    shape = (*q.shape[:-1], n)
+
+    def values() -> Any:
+        if q.is_abstract:
+            return jnp.zeros(shape, dtype)
+        return dequantized(q.value(), s.value(), axis, mode, n, dtype)
+
+    sharding = q.sharding
+    if mode == "int4" and isinstance(s.sharding, NamedSharding) and sharding is not None:
+        sharding = _packed_sharding(sharding, shape)
+    q._store._forget(q)
+    try:
+        return new_variable(q, q.name, values, shape, dtype, sharding, q.partition, trainable)
+    except BaseException:
+        q._store.register(q, q.name, exact=True)
+        raise
+
+
+class QuantLayer(LoRALayer):
+    """A ``LoRALayer`` whose target can be quantized (see the module docstring):
+    ``quantize(mode)``, ``dequantize()``, ``quantization_mode``."""
+
+    #: The axis the scales are taken over (-2: a Dense kernel's input axis).
+    quant_axis: ClassVar[int] = -2
+    quantization_mode: str | None = None
+    _quant_was_trainable: bool = True
+
+    @property
+    def scale_name(self) -> str:
+        """``kernel_scale`` (``embeddings_scale``)."""
+        return f"{self.lora_target}_scale"
+
+    def check_quantize(self, mode: Any) -> str:
+        """The mode, or ``ValueError`` naming the layer if it cannot be quantized now."""
+        me = self.describe()
+        mode = check_mode(mode, me)
+        if not self.built:
+            raise ValueError(
+                f"{me} is not built yet, so it has no {self.lora_target} to quantize: call "
+                "the layer on an input (or layer.build(input_shape)) before quantize."
+            )
+        if self.quantization_mode is not None:
+            raise ValueError(
+                f"{me} is quantized already ({self.quantization_mode!r}); a layer is "
+                "quantized once. ps.nn.dequantize it first to quantize it in another mode."
+            )
+        if self.lora_enabled:
+            raise ValueError(
+                f"{me} has LoRA enabled: merge it first (merge_lora()), then quantize and "
+                "enable_lora again (QLoRA trains a new adapter on the quantized kernel)."
+            )
+        return str(mode)
+
+    def quantize(self, mode: str) -> None:
+        """Quantize the kernel (``embeddings``) in ``mode`` (``"int8"`` or ``"int4"``), as
+        Keras 3's ``layer.quantize(mode)`` (see ``paramstore.nn._quant``)."""
+        mode = self.check_quantize(mode)
+        old: Variable = getattr(self, self.lora_target)
+        q, s = quantize_variable(old, self.quant_axis, mode, self.scale_name)
+        self._quant_was_trainable = old.trainable
+        self._quant_units = old.shape[-1]
+        replace(self, self.lora_target, q)
+        setattr(self, self.scale_name, s)
+        self.quantization_mode = mode
+
+    def check_dequantize(self) -> None:
+        """``ValueError`` naming the layer if it is not quantized."""
+        if self.quantization_mode is None:
+            raise ValueError(
+                f"{self.describe()} is not quantized: nothing to dequantize (quantize it "
+                "first, or leave it out of dequantize)."
+            )
+
+    def dequantize(self) -> None:
+        """Put back the float kernel (``embeddings``) the quantized one stands for, in the
+        variable dtype, with its ``trainable`` flag from before ``quantize``; the scale goes."""
+        self.check_dequantize()
+        mode = self.quantization_mode
+        assert mode is not None
+        q: Variable = getattr(self, self.lora_target)
+        s: Variable = getattr(self, self.scale_name)
+        trainable = self._quant_was_trainable and not self.lora_enabled
+        new = dequantize_variable(
+            q, s, self.quant_axis, mode, self._quant_units, self.variable_dtype, trainable
+        )
+        self._lora_was_trainable = self._quant_was_trainable
+        replace(self, self.lora_target, new)
+        s._store._forget(s)
+        delattr(self, self.scale_name)
+        TRACE_EPOCH.retire(s)
+        self.quantization_mode = None
+
+    def check_lora_merge(self) -> None:
+        """As ``LoRALayer``'s, and refused on a quantized layer (dequantize first)."""
+        super().check_lora_merge()
+        if self.quantization_mode is not None:
+            raise ValueError(
+                f"{self.describe()} is quantized ({self.quantization_mode!r}): LoRA cannot "
+                "be merged into an integer kernel. Call ps.nn.dequantize on it first, then "
+                "merge_lora (and quantize again if you want)."
+            )
