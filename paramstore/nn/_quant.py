@@ -33,7 +33,9 @@ Contract (docs/api.md, "Quantized weights"; the model-wide ``ps.nn.quantize`` is
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import jax
@@ -48,14 +50,18 @@ from paramstore.variable import Variable
 
 __all__ = [
     "MODES",
+    "QuantInfo",
     "QuantLayer",
     "abs_max_quantize",
     "check_mode",
     "dequantized",
     "int4_matmul",
     "int8_matmul",
+    "is_scale",
     "pack_int4",
+    "quantize_host",
     "quantize_inputs",
+    "quantized_of",
     "quantized_shape",
     "unpack_int4",
 ]
@@ -108,6 +114,42 @@ def unpack_int4(packed: jax.Array, n: int) -> jax.Array:
     signed = nibbles.astype(jnp.int8)
     signed = jnp.where(signed >= 8, signed - jnp.int8(16), signed)
     return signed.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :n]
+
+
+def quantize_host(w: Any, axis: int, mode: str, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """``abs_max_quantize`` in NumPy on the host, bit-identical to it (and to Keras 3's numpy
+    path), packed when int4. ``w`` (a float array, or a view of a file) is read in blocks of
+    ``rows`` along an axis that is not reduced, so the float temporaries are a block's size."""
+    low, high = _RANGE[mode]
+    ndim = len(w.shape)
+    axis %= ndim
+    b = 0 if axis != 0 else 1  # the blocked axis (in the scale: bs)
+    bs = b - (1 if axis < b else 0)
+    eps = np.float32(EPSILON)
+
+    def cut(i: int, n: int, at: int) -> tuple[slice, ...]:
+        index = [slice(None)] * n
+        index[at] = slice(i, i + rows)
+        return tuple(index)
+
+    scale = np.empty([d for k, d in enumerate(w.shape) if k != axis], np.float32)
+    q = np.empty(w.shape, np.int8)
+    for i in range(0, w.shape[b], rows):
+        block = np.asarray(w[cut(i, ndim, b)], dtype=np.float32)
+        s = np.float32(high) / (np.abs(block).max(axis=axis) + eps)
+        scale[cut(i, ndim - 1, bs)] = s
+        q[cut(i, ndim, b)] = np.clip(np.round(block * np.expand_dims(s, axis)), low, high)
+    if mode == "int4":
+        q = _pack_host(q)
+    return q, scale
+
+
+def _pack_host(q: np.ndarray) -> np.ndarray:
+    """``pack_int4`` in NumPy (the same bytes)."""
+    if q.shape[-1] % 2:
+        q = np.concatenate([q, np.zeros((*q.shape[:-1], 1), np.int8)], axis=-1)
+    u = q.view(np.uint8) & np.uint8(0x0F)
+    return (u[..., ::2] | (u[..., 1::2] << np.uint8(4))).view(np.int8)
 
 
 def quantized_shape(shape: tuple[int, ...], mode: str) -> tuple[int, ...]:
@@ -244,6 +286,49 @@ def _float_maker(old: Variable) -> Callable[[], Any]:
     return old.value
 
 
+@dataclass(frozen=True)
+class QuantInfo:
+    """What a quantized variable stands for: its ``scale`` variable, the reduced ``axis``,
+    the ``mode`` and ``units`` (the float last axis; int4 packs it)."""
+
+    scale: Variable
+    axis: int
+    mode: str
+    units: int
+
+    def float_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The float shape a quantized value of ``shape`` (or one layer of it) comes from."""
+        return (*shape[:-1], self.units)
+
+
+_QUANTIZED: dict[int, tuple[weakref.ref[Variable], weakref.ref[Variable], int, str, int]] = {}
+
+
+def _remember(q: Variable, s: Variable, axis: int, mode: str, units: int) -> None:
+    key = id(q)
+    _SCALES[id(s)] = s
+    _QUANTIZED[key] = (
+        weakref.ref(q, lambda _r: _QUANTIZED.pop(key, None)), weakref.ref(s), axis, mode, units
+    )  # fmt: skip
+
+
+_SCALES: weakref.WeakValueDictionary[int, Variable] = weakref.WeakValueDictionary()
+
+
+def is_scale(var: Variable) -> bool:
+    """Whether ``var`` is the scale of a quantized variable (``quantize`` made it)."""
+    return _SCALES.get(id(var)) is var
+
+
+def quantized_of(var: Variable) -> QuantInfo | None:
+    """The ``QuantInfo`` of a variable ``quantize`` made (None for any other)."""
+    entry = _QUANTIZED.get(id(var))
+    if entry is None or entry[0]() is not var:
+        return None
+    scale = entry[1]()
+    return None if scale is None else QuantInfo(scale, entry[2], entry[3], entry[4])
+
+
 def replace(holder: Any, attr: str, new: Variable) -> None:
     """Put ``new`` in place of ``holder.attr`` (same full name) and retire the old one."""
     old = getattr(holder, attr)
@@ -285,6 +370,7 @@ def quantize_variable(
     except BaseException:
         old._store.register(old, old.name, exact=True)
         raise
+    _remember(q, s, axis, mode, old.shape[-1])
     return q, s
 
 
