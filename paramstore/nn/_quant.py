@@ -46,6 +46,19 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._variable import abstract as _abstract
 from paramstore.nn._lora import LoRALayer
+from paramstore.nn._quant_ops import (
+    MODES,
+    abs_max_quantize,
+    check_mode,
+    dequantized,
+    int4_matmul,
+    int8_matmul,
+    pack_int4,
+    quantize_host,
+    quantize_inputs,
+    quantized_shape,
+    unpack_int4,
+)
 from paramstore.variable import Variable
 
 __all__ = [
@@ -65,146 +78,6 @@ __all__ = [
     "quantized_shape",
     "unpack_int4",
 ]
-
-MODES = ("int8", "int4")
-EPSILON = 1e-7  # Keras' backend.epsilon()
-_RANGE = {"int8": (-127, 127), "int4": (-8, 7)}
-
-
-def check_mode(mode: Any, who: str) -> str:
-    """``mode`` if it is one of ``MODES``, else ``ValueError`` naming ``who`` and the modes."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(
-            f"{who}: unknown quantization mode {mode!r}; the modes are "
-            f"{', '.join(repr(m) for m in MODES)} (Keras 3's int8 and per-channel int4)."
-        )
-    return mode
-
-
-# ------------------------------------------------------------------------ the arithmetic
-
-
-def abs_max_quantize(w: Any, axis: int, mode: str) -> tuple[jax.Array, jax.Array]:
-    """``(q, scale)``: ``w`` quantized over ``axis`` (int8 values, not packed) and the float32
-    scale with ``axis`` removed, as Keras 3's ``abs_max_quantize``."""
-    low, high = _RANGE[mode]
-    w32 = jnp.asarray(w).astype(jnp.float32)
-    scale = jnp.float32(high) / (
-        jnp.max(jnp.abs(w32), axis=axis, keepdims=True) + jnp.float32(EPSILON)
-    )
-    q = jnp.clip(jnp.round(w32 * scale), low, high).astype(jnp.int8)
-    return q, jnp.squeeze(scale, axis)
-
-
-def pack_int4(q: jax.Array) -> jax.Array:
-    """Int4 values (int8 in [-8, 7]) packed two per byte along the last axis, low nibble
-    first (an odd axis is padded with 0), as Keras 3's ``pack_int4(q, axis=-1)``."""
-    n = q.shape[-1]
-    if n % 2:
-        q = jnp.concatenate([q, jnp.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)
-    u = jax.lax.bitcast_convert_type(q, jnp.uint8) & jnp.uint8(0x0F)
-    packed = u[..., ::2] | (u[..., 1::2] << jnp.uint8(4))
-    return jax.lax.bitcast_convert_type(packed, jnp.int8)
-
-
-def unpack_int4(packed: jax.Array, n: int) -> jax.Array:
-    """The int8 values in [-8, 7] that ``pack_int4`` packed (last axis of length ``n``)."""
-    u = jax.lax.bitcast_convert_type(packed, jnp.uint8)
-    nibbles = jnp.stack([u & jnp.uint8(0x0F), u >> jnp.uint8(4)], axis=-1)
-    signed = nibbles.astype(jnp.int8)
-    signed = jnp.where(signed >= 8, signed - jnp.int8(16), signed)
-    return signed.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :n]
-
-
-def quantize_host(w: Any, axis: int, mode: str, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """``abs_max_quantize`` in NumPy on the host, bit-identical to it (and to Keras 3's numpy
-    path), packed when int4. ``w`` (a float array, or a view of a file) is read in blocks of
-    ``rows`` along an axis that is not reduced, so the float temporaries are a block's size."""
-    low, high = _RANGE[mode]
-    ndim = len(w.shape)
-    axis %= ndim
-    b = 0 if axis != 0 else 1  # the blocked axis (in the scale: bs)
-    bs = b - (1 if axis < b else 0)
-    eps = np.float32(EPSILON)
-
-    def cut(i: int, n: int, at: int) -> tuple[slice, ...]:
-        index = [slice(None)] * n
-        index[at] = slice(i, i + rows)
-        return tuple(index)
-
-    scale = np.empty([d for k, d in enumerate(w.shape) if k != axis], np.float32)
-    q = np.empty(w.shape, np.int8)
-    for i in range(0, w.shape[b], rows):
-        block = np.asarray(w[cut(i, ndim, b)], dtype=np.float32)
-        s = np.float32(high) / (np.abs(block).max(axis=axis) + eps)
-        scale[cut(i, ndim - 1, bs)] = s
-        q[cut(i, ndim, b)] = np.clip(np.round(block * np.expand_dims(s, axis)), low, high)
-    if mode == "int4":
-        q = _pack_host(q)
-    return q, scale
-
-
-def _pack_host(q: np.ndarray) -> np.ndarray:
-    """``pack_int4`` in NumPy (the same bytes)."""
-    if q.shape[-1] % 2:
-        q = np.concatenate([q, np.zeros((*q.shape[:-1], 1), np.int8)], axis=-1)
-    u = q.view(np.uint8) & np.uint8(0x0F)
-    return (u[..., ::2] | (u[..., 1::2] << np.uint8(4))).view(np.int8)
-
-
-def quantized_shape(shape: tuple[int, ...], mode: str) -> tuple[int, ...]:
-    """The stored shape of a quantized variable of float ``shape`` (int4: last axis halved,
-    rounded up)."""
-    if mode == "int4":
-        return (*shape[:-1], (shape[-1] + 1) // 2)
-    return tuple(shape)
-
-
-def dequantized(q: jax.Array, scale: jax.Array, axis: int, mode: str, n: int, dtype: Any) -> Any:
-    """The float values ``q`` (packed when int4, last axis ``n``) stand for, in ``dtype``."""
-    values = unpack_int4(q, n) if mode == "int4" else q
-    return (values.astype(jnp.float32) / jnp.expand_dims(scale, axis)).astype(dtype)
-
-
-def quantize_inputs(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(int8 x, scale)`` per row (over the last axis), in ``x``'s dtype, as Keras 3's
-    ``AbsMaxQuantizer(axis=-1)`` at call time."""
-    scale = 127.0 / (jnp.max(jnp.abs(x), axis=-1, keepdims=True) + EPSILON)
-    scale = scale.astype(x.dtype)
-    return jnp.clip(jnp.round(x * scale), -127, 127).astype(jnp.int8), scale
-
-
-@jax.custom_vjp
-def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x @ kernel`` for an int8 ``kernel`` with ``scale`` (``x``'s dtype): ``x`` quantized
-    per row, int8 x int8 with int32 accumulation, cast to ``x``'s dtype, divided by both
-    scales (Keras 3's ``Dense._int8_call``)."""
-    xq, xs = quantize_inputs(x)
-    y = jnp.matmul(xq, kernel, preferred_element_type=jnp.int32).astype(x.dtype)
-    return y / (scale * xs)
-
-
-def _int8_fwd(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> Any:
-    return int8_matmul(x, kernel, scale.astype(x.dtype)), (kernel, scale.astype(x.dtype))
-
-
-def _int8_bwd(res: Any, g: jax.Array) -> tuple[Any, ...]:
-    kernel, scale = res
-    dtype = scale.dtype  # x's
-    float_kernel = kernel.astype(dtype) / scale
-    dx = jnp.matmul(g, float_kernel.T).astype(dtype)
-    return dx, np.zeros(kernel.shape, jax.dtypes.float0), jnp.zeros_like(scale)
-
-
-int8_matmul.defvjp(_int8_fwd, _int8_bwd)
-
-
-def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, units: int) -> jax.Array:
-    """``x @ unpack(packed) / scale`` in ``x``'s dtype (inputs not quantized; Keras 3's
-    per-channel int4 ``Dense``)."""
-    kernel = unpack_int4(packed, units).astype(x.dtype)
-    return jnp.matmul(x, kernel).astype(x.dtype) / scale
-
 
 # -------------------------------------------------------------- variables of one layer
 
