@@ -32,6 +32,7 @@ Contract (docs/api.md, "Memory plan"):
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -173,10 +174,14 @@ def _walk(x: Any, found: dict[int, Any], depth: int = 0) -> None:
     elif isinstance(x, Mapping):
         for item in x.values():
             _walk(item, found, depth + 1)
+    elif not isinstance(x, (type, types.ModuleType, types.FunctionType)) and hasattr(x, "__dict__"):
+        found[id(x)] = None  # an object holding the step's state (a trainer): its attributes
+        for item in vars(x).values():
+            _walk(item, found, depth + 1)
 
 
 def _roots(fn: Callable[..., Any], args: Any, kwargs: Any) -> list[Any]:
-    found: dict[int, Any] = {}
+    found: dict[int, Any] = {}  # id -> Module or Variable (None: an object walked)
     _walk(list(args) + list(kwargs.values()), found)
     target = inspect.unwrap(fn)
     self_ = getattr(target, "__self__", None)
@@ -190,7 +195,7 @@ def _roots(fn: Callable[..., Any], args: Any, kwargs: Any) -> list[Any]:
     if closure is not None:
         for value in (*closure.nonlocals.values(), *closure.globals.values()):
             _walk(value, found)
-    return list(found.values())
+    return [x for x in found.values() if x is not None]
 
 
 def _classify(roots: list[Any]) -> tuple[list[Variable], dict[int, str]]:
