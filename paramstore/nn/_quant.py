@@ -48,7 +48,9 @@ from paramstore._variable import abstract as _abstract
 from paramstore.nn._lora import LoRALayer
 from paramstore.nn._quant_ops import (
     MODES,
+    Axes,
     abs_max_quantize,
+    axes_of,
     check_mode,
     dequantized,
     int4_matmul,
@@ -65,6 +67,7 @@ __all__ = [
     "MODES",
     "QuantInfo",
     "QuantLayer",
+    "Slot",
     "abs_max_quantize",
     "check_mode",
     "dequantized",
@@ -74,6 +77,8 @@ __all__ = [
     "pack_int4",
     "quantize_host",
     "quantize_inputs",
+    "dequantize_slots",
+    "quantize_slots",
     "quantized_of",
     "quantized_shape",
     "unpack_int4",
@@ -82,11 +87,11 @@ __all__ = [
 # -------------------------------------------------------------- variables of one layer
 
 
-def _drop_axis(sharding: Sharding | None, ndim: int, axis: int) -> Sharding | None:
+def _drop_axis(sharding: Sharding | None, ndim: int, axis: Axes) -> Sharding | None:
     """``sharding`` of an array of rank ``ndim`` without ``axis`` (a scale's sharding)."""
     if isinstance(sharding, NamedSharding):
         spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-        del spec[axis]
+        spec = [e for k, e in enumerate(spec) if k not in axes_of(axis, ndim)]
         return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
     return sharding if sharding is None or sharding.is_fully_replicated else None
 
@@ -104,12 +109,11 @@ def _packed_sharding(sharding: Sharding | None, shape: tuple[int, ...]) -> Shard
     return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
-def _drop_entry(partition: Any, ndim: int, axis: int) -> Any:
+def _drop_entry(partition: Any, ndim: int, axis: Axes) -> Any:
     if partition is None:
         return None
     entries = list(partition) + [None] * (ndim - len(partition))
-    del entries[axis]
-    return tuple(entries)
+    return tuple(e for k, e in enumerate(entries) if k not in axes_of(axis, ndim))
 
 
 def new_variable(
@@ -165,7 +169,7 @@ class QuantInfo:
     the ``mode`` and ``units`` (the float last axis; int4 packs it)."""
 
     scale: Variable
-    axis: int
+    axis: Axes
     mode: str
     units: int
 
@@ -174,10 +178,10 @@ class QuantInfo:
         return (*shape[:-1], self.units)
 
 
-_QUANTIZED: dict[int, tuple[weakref.ref[Variable], weakref.ref[Variable], int, str, int]] = {}
+_QUANTIZED: dict[int, tuple[weakref.ref[Variable], weakref.ref[Variable], Axes, str, int]] = {}
 
 
-def _remember(q: Variable, s: Variable, axis: int, mode: str, units: int) -> None:
+def _remember(q: Variable, s: Variable, axis: Axes, mode: str, units: int) -> None:
     key = id(q)
     _SCALES[id(s)] = s
     _QUANTIZED[key] = (
@@ -202,16 +206,8 @@ def quantized_of(var: Variable) -> QuantInfo | None:
     return None if scale is None else QuantInfo(scale, entry[2], entry[3], entry[4])
 
 
-def replace(holder: Any, attr: str, new: Variable) -> None:
-    """Put ``new`` in place of ``holder.attr`` (same full name) and retire the old one."""
-    old = getattr(holder, attr)
-    old._store._forget(old)
-    setattr(holder, attr, new)
-    TRACE_EPOCH.retire(old)
-
-
 def quantize_variable(
-    old: Variable, axis: int, mode: str, scale_name: str
+    old: Variable, axis: Axes, mode: str, scale_name: str
 ) -> tuple[Variable, Variable]:
     """The quantized variable (same full name; call ``replace`` to swap it in) and its
     scale for the float variable ``old`` reduced over ``axis``."""
@@ -227,7 +223,7 @@ def quantize_variable(
     shape = quantized_shape(old.shape, mode)
     sharding = old.sharding
     q_sharding = _packed_sharding(sharding, shape) if mode == "int4" else sharding
-    s_shape = tuple(d for i, d in enumerate(old.shape) if i != axis % old.ndim)
+    s_shape = tuple(d for i, d in enumerate(old.shape) if i not in axes_of(axis, old.ndim))
     base = old.name.rsplit("/", 1)[0] + "/" if "/" in old.name else ""
     old._store._forget(old)  # the name is the quantized variable's from now on
     try:
@@ -248,7 +244,7 @@ def quantize_variable(
 
 
 def dequantize_variable(
-    q: Variable, s: Variable, axis: int, mode: str, n: int, dtype: Any, trainable: bool
+    q: Variable, s: Variable, axis: Axes, mode: str, n: int, dtype: Any, trainable: bool
 ) -> Variable:
     """The float variable (``q``'s full name) that ``q`` and its scale ``s`` stand for."""
     shape = (*q.shape[:-1], n)
@@ -267,6 +263,81 @@ def dequantize_variable(
     except BaseException:
         q._store.register(q, q.name, exact=True)
         raise
+
+
+@dataclass
+class Slot:
+    """One quantizable variable of a layer: ``holder.key`` (an attribute, or a dict entry),
+    its scale at ``holder.scale_key``, the reduced ``axis`` and the float last axis
+    ``units`` (int4 packs it)."""
+
+    holder: Any
+    key: str
+    scale_key: str
+    axis: Axes
+    units: int
+
+    def _get(self, key: str) -> Any:
+        h = self.holder
+        return h.get(key) if isinstance(h, dict) else getattr(h, key, None)
+
+    def _set(self, key: str, v: Variable | None) -> None:
+        h = self.holder
+        if isinstance(h, dict):
+            h.pop(key, None) if v is None else h.__setitem__(key, v)
+        elif v is None:
+            delattr(h, key)
+        else:
+            setattr(h, key, v)
+
+    @property
+    def target(self) -> Variable:
+        return self._get(self.key)  # type: ignore[no-any-return]
+
+    @property
+    def scale(self) -> Variable | None:
+        return self._get(self.scale_key)  # type: ignore[no-any-return]
+
+    def put(self, new: Variable) -> None:
+        """``new`` in place of the target (same full name); the old one is retired."""
+        old = self.target
+        old._store._forget(old)
+        self._set(self.key, new)
+        TRACE_EPOCH.retire(old)
+
+    def put_scale(self, scale: Variable | None) -> None:
+        old = self.scale
+        if old is not None and scale is None:
+            old._store._forget(old)
+            TRACE_EPOCH.retire(old)
+        self._set(self.scale_key, scale)
+
+    @property
+    def leaf(self) -> str:
+        """The scale variable's own name (``kernel_scale``)."""
+        return self.scale_key.rsplit("/", 1)[-1]
+
+
+def quantize_slots(slots: list[Slot], mode: str) -> list[bool]:
+    """Quantize every slot's target; returns each target's ``trainable`` flag from before."""
+    flags = []
+    for slot in slots:
+        old = slot.target
+        q, s = quantize_variable(old, slot.axis, mode, slot.leaf)
+        flags.append(old.trainable)
+        slot.put(q)
+        slot.put_scale(s)
+    return flags
+
+
+def dequantize_slots(slots: list[Slot], mode: str, dtype: Any, flags: list[bool]) -> None:
+    """The float targets back (``flags``: their ``trainable``), the scales removed."""
+    for slot, trainable in zip(slots, flags):
+        s = slot.scale
+        assert s is not None
+        new = dequantize_variable(slot.target, s, slot.axis, mode, slot.units, dtype, trainable)
+        slot.put(new)
+        slot.put_scale(None)
 
 
 class QuantLayer(LoRALayer):
@@ -304,16 +375,18 @@ class QuantLayer(LoRALayer):
             )
         return str(mode)
 
+    def quant_slots(self) -> list[Slot]:
+        """The variable ``quantize`` replaces: the kernel (``embeddings``)."""
+        units = getattr(self, "_quant_units", None) or getattr(self, self.lora_target).shape[-1]
+        return [Slot(self, self.lora_target, self.scale_name, self.quant_axis, units)]
+
     def quantize(self, mode: str) -> None:
         """Quantize the kernel (``embeddings``) in ``mode`` (``"int8"`` or ``"int4"``), as
         Keras 3's ``layer.quantize(mode)`` (see ``paramstore.nn._quant``)."""
         mode = self.check_quantize(mode)
-        old: Variable = getattr(self, self.lora_target)
-        q, s = quantize_variable(old, self.quant_axis, mode, self.scale_name)
-        self._quant_was_trainable = old.trainable
-        self._quant_units = old.shape[-1]
-        replace(self, self.lora_target, q)
-        setattr(self, self.scale_name, s)
+        slots = self.quant_slots()
+        self._quant_units = slots[0].units
+        (self._quant_was_trainable,) = quantize_slots(slots, mode)
         self.quantization_mode = mode
 
     def check_dequantize(self) -> None:
@@ -328,19 +401,12 @@ class QuantLayer(LoRALayer):
         """Put back the float kernel (``embeddings``) the quantized one stands for, in the
         variable dtype, with its ``trainable`` flag from before ``quantize``; the scale goes."""
         self.check_dequantize()
-        mode = self.quantization_mode
-        assert mode is not None
-        q: Variable = getattr(self, self.lora_target)
-        s: Variable = getattr(self, self.scale_name)
+        assert self.quantization_mode is not None
         trainable = self._quant_was_trainable and not self.lora_enabled
-        new = dequantize_variable(
-            q, s, self.quant_axis, mode, self._quant_units, self.variable_dtype, trainable
+        dequantize_slots(
+            self.quant_slots(), self.quantization_mode, self.variable_dtype, [trainable]
         )
         self._lora_was_trainable = self._quant_was_trainable
-        replace(self, self.lora_target, new)
-        s._store._forget(s)
-        delattr(self, self.scale_name)
-        TRACE_EPOCH.retire(s)
         self.quantization_mode = None
 
     def check_lora_merge(self) -> None:

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "Axes",
     "EPSILON",
     "MODES",
     "abs_max_quantize",
+    "axes_of",
     "check_mode",
     "dequantized",
     "int4_matmul",
@@ -44,16 +46,25 @@ def check_mode(mode: Any, who: str) -> str:
 # ------------------------------------------------------------------------ the arithmetic
 
 
-def abs_max_quantize(w: Any, axis: int, mode: str) -> tuple[jax.Array, jax.Array]:
-    """``(q, scale)``: ``w`` quantized over ``axis`` (int8 values, not packed) and the float32
-    scale with ``axis`` removed, as Keras 3's ``abs_max_quantize``."""
+Axes = int | tuple[int, ...]
+
+
+def axes_of(axis: Axes, ndim: int) -> tuple[int, ...]:
+    """``axis`` (one or several, negative counted from the end) as sorted positive axes."""
+    return tuple(sorted(a % ndim for a in ((axis,) if isinstance(axis, int) else axis)))
+
+
+def abs_max_quantize(w: Any, axis: Axes, mode: str) -> tuple[jax.Array, jax.Array]:
+    """``(q, scale)``: ``w`` quantized over ``axis`` (one or several; int8 values, not
+    packed) and the float32 scale without those axes, as Keras 3's ``abs_max_quantize``."""
     low, high = _RANGE[mode]
     w32 = jnp.asarray(w).astype(jnp.float32)
+    axes = axes_of(axis, w32.ndim)
     scale = jnp.float32(high) / (
-        jnp.max(jnp.abs(w32), axis=axis, keepdims=True) + jnp.float32(EPSILON)
+        jnp.max(jnp.abs(w32), axis=axes, keepdims=True) + jnp.float32(EPSILON)
     )
     q = jnp.clip(jnp.round(w32 * scale), low, high).astype(jnp.int8)
-    return q, jnp.squeeze(scale, axis)
+    return q, jnp.squeeze(scale, axes)
 
 
 def pack_int4(q: jax.Array) -> jax.Array:
@@ -76,15 +87,15 @@ def unpack_int4(packed: jax.Array, n: int) -> jax.Array:
     return signed.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :n]
 
 
-def quantize_host(w: Any, axis: int, mode: str, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def quantize_host(w: Any, axis: Axes, mode: str, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """``abs_max_quantize`` in NumPy on the host, bit-identical to it (and to Keras 3's numpy
     path), packed when int4. ``w`` (a float array, or a view of a file) is read in blocks of
     ``rows`` along an axis that is not reduced, so the float temporaries are a block's size."""
     low, high = _RANGE[mode]
     ndim = len(w.shape)
-    axis %= ndim
-    b = 0 if axis != 0 else 1  # the blocked axis (in the scale: bs)
-    bs = b - (1 if axis < b else 0)
+    axes = axes_of(axis, ndim)
+    b = next(k for k in range(ndim) if k not in axes)  # the blocked axis
+    bs = b - sum(1 for a in axes if a < b)  # its position in the scale
     eps = np.float32(EPSILON)
 
     def cut(i: int, n: int, at: int) -> tuple[slice, ...]:
@@ -92,13 +103,13 @@ def quantize_host(w: Any, axis: int, mode: str, rows: int = 256) -> tuple[np.nda
         index[at] = slice(i, i + rows)
         return tuple(index)
 
-    scale = np.empty([d for k, d in enumerate(w.shape) if k != axis], np.float32)
+    scale = np.empty([d for k, d in enumerate(w.shape) if k not in axes], np.float32)
     q = np.empty(w.shape, np.int8)
     for i in range(0, w.shape[b], rows):
         block = np.asarray(w[cut(i, ndim, b)], dtype=np.float32)
-        s = np.float32(high) / (np.abs(block).max(axis=axis) + eps)
-        scale[cut(i, ndim - 1, bs)] = s
-        q[cut(i, ndim, b)] = np.clip(np.round(block * np.expand_dims(s, axis)), low, high)
+        s = np.float32(high) / (np.abs(block).max(axis=axes) + eps)
+        scale[cut(i, ndim - len(axes), bs)] = s
+        q[cut(i, ndim, b)] = np.clip(np.round(block * np.expand_dims(s, axes)), low, high)
     if mode == "int4":
         q = _pack_host(q)
     return q, scale
@@ -120,10 +131,11 @@ def quantized_shape(shape: tuple[int, ...], mode: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def dequantized(q: jax.Array, scale: jax.Array, axis: int, mode: str, n: int, dtype: Any) -> Any:
+def dequantized(q: jax.Array, scale: jax.Array, axis: Axes, mode: str, n: int, dtype: Any) -> Any:
     """The float values ``q`` (packed when int4, last axis ``n``) stand for, in ``dtype``."""
     values = unpack_int4(q, n) if mode == "int4" else q
-    return (values.astype(jnp.float32) / jnp.expand_dims(scale, axis)).astype(dtype)
+    axes = axes_of(axis, values.ndim)
+    return (values.astype(jnp.float32) / jnp.expand_dims(scale, axes)).astype(dtype)
 
 
 def quantize_inputs(x: jax.Array) -> tuple[jax.Array, jax.Array]:

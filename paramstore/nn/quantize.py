@@ -120,41 +120,40 @@ def dequantize(module_or_layer: Module, *, where: str | None = None) -> list[Qua
     return [layer for layer, _ in chosen]
 
 
-def _stacked(rep: Repeat, layer: QuantLayer, change: Any) -> None:
+def _stacked(rep: Repeat, layer: Any, change: Any) -> None:
     """Apply ``change`` (quantize or dequantize) to a Repeat's template layer, then do the
     same to its stacked variables (one scale row per block) and relayout the Repeat."""
     t = rep._template
     by_key = dict(zip(rep._order, t.tvars))
     key_of = {id(v): k for k, v in by_key.items()}
-    target_key = key_of[id(getattr(layer, layer.lora_target))]
     was_mode = layer.quantization_mode
-    old_scale = getattr(layer, layer.scale_name, None) if was_mode else None
+    before = layer.quant_slots()
+    targets = [key_of[id(slot.target)] for slot in before]
+    old_scales = [key_of[id(slot.scale)] if slot.scale is not None else None for slot in before]
     with t.store, _trace.no_frames(), in_trace(EVAL):
         change(layer)
     stacked = dict(rep.stacked)
-    big = stacked[target_key]
-    axis = layer.quant_axis
-    if layer.quantization_mode is not None:  # quantized now
-        q, s = quantize_variable(big, axis, layer.quantization_mode, layer.scale_name)
-        paths = attribute_paths(t.block)
-        scale = getattr(layer, layer.scale_name)
-        scale_key = paths[id(scale)]
-        stacked[target_key], stacked[scale_key] = q, s
-        by_key[scale_key] = scale
-    else:
-        assert was_mode is not None and old_scale is not None
-        scale_key = key_of[id(old_scale)]
-        s = stacked.pop(scale_key)
-        by_key.pop(scale_key)
-        n = getattr(layer, layer.lora_target).shape[-1]
-        trainable = getattr(layer, layer.lora_target).trainable
-        dtype = layer.variable_dtype
-        stacked[target_key] = dequantize_variable(big, s, axis, was_mode, n, dtype, trainable)
-        s._store._forget(s)
-        TRACE_EPOCH.retire(s)
-    by_key[target_key] = getattr(layer, layer.lora_target)
-    big._store._forget(big)
-    TRACE_EPOCH.retire(big)
+    paths = attribute_paths(t.block)
+    for slot, key, scale_key in zip(layer.quant_slots(), targets, old_scales):
+        big = stacked[key]
+        if layer.quantization_mode is not None:  # quantized now
+            q, s = quantize_variable(big, slot.axis, layer.quantization_mode, slot.leaf)
+            new_scale_key = paths[id(slot.scale)]
+            stacked[key], stacked[new_scale_key] = q, s
+            by_key[new_scale_key] = slot.scale
+        else:
+            assert was_mode is not None and scale_key is not None
+            s = stacked.pop(scale_key)
+            by_key.pop(scale_key)
+            target = slot.target
+            stacked[key] = dequantize_variable(
+                big, s, slot.axis, was_mode, slot.units, target.dtype, target.trainable
+            )
+            s._store._forget(s)
+            TRACE_EPOCH.retire(s)
+        by_key[key] = slot.target
+        big._store._forget(big)
+        TRACE_EPOCH.retire(big)
     order = sorted(by_key)
     t.tvars = [by_key[k] for k in order]
     rep._order = order
