@@ -5,6 +5,7 @@ loading. Bit-identical to Keras 3's ``abs_max_quantize``/``pack_int4``; see
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ __all__ = [
     "check_mode",
     "dequantized",
     "int4_matmul",
+    "int8_einsum",
     "int8_matmul",
     "pack_int4",
     "quantize_host",
@@ -176,3 +178,37 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, units: int) -
     per-channel int4 ``Dense``)."""
     kernel = unpack_int4(packed, units).astype(x.dtype)
     return jnp.matmul(x, kernel).astype(x.dtype) / scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def int8_einsum(
+    equation: str, x: jax.Array, kernel: jax.Array, scale: jax.Array, x_axes: tuple[int, ...]
+) -> jax.Array:
+    """``einsum(equation, x, kernel)`` for an int8 ``kernel`` whose ``scale`` (``x``'s dtype)
+    has the kernel's non-contracted axes, as Keras 3's ``EinsumDense._int8_call``: ``x``
+    quantized over its contracted axes ``x_axes`` (trailing), int8 x int8 with int32
+    accumulation, cast to ``x``'s dtype, divided by both scales. The output's axes are ``x``'s
+    other axes then the kernel's non-contracted ones."""
+    axes = axes_of(x_axes, x.ndim)
+    xs = (127.0 / (jnp.max(jnp.abs(x), axis=axes, keepdims=True) + EPSILON)).astype(x.dtype)
+    xq = jnp.clip(jnp.round(x * xs), -127, 127).astype(jnp.int8)
+    y = jnp.einsum(equation, xq, kernel, preferred_element_type=jnp.int32).astype(x.dtype)
+    keep = x.ndim - len(axes)
+    xs = xs.reshape(xs.shape[:keep] + (1,) * (y.ndim - keep))
+    return y / (scale * xs)
+
+
+def _einsum_fwd(eq: str, x: jax.Array, kernel: jax.Array, scale: jax.Array, axes: Any) -> Any:
+    return int8_einsum(eq, x, kernel, scale, axes), (x, kernel, scale)
+
+
+def _einsum_bwd(eq: str, axes: Any, res: Any, g: jax.Array) -> tuple[Any, ...]:
+    x, kernel, scale = res
+    contracted = kernel.ndim - scale.ndim  # the kernel's leading axes are contracted
+    float_kernel = kernel.astype(x.dtype) / scale.reshape((1,) * contracted + scale.shape)
+    _, vjp = jax.vjp(lambda x: jnp.einsum(eq, x, float_kernel), x)
+    (dx,) = vjp(g)
+    return dx, np.zeros(kernel.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+
+
+int8_einsum.defvjp(_einsum_fwd, _einsum_bwd)

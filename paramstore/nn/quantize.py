@@ -34,12 +34,14 @@ from paramstore.nn._quant import (
     dequantize_variable,
     quantize_variable,
 )
+from paramstore.nn._quant_attention import QuantAttention
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.repeat.layout import attribute_paths
 
 __all__ = ["dequantize", "quantize"]
 
-Found = list[tuple[QuantLayer, Repeat | None]]
+Quantizable = QuantLayer | QuantAttention
+Found = list[tuple[Quantizable, Repeat | None]]
 
 
 def _describe(module: Any) -> str:
@@ -56,10 +58,14 @@ def quantizable_layers(module: Any) -> Found:
     """Every ``Dense``/``Embedding`` in ``module`` (with the Repeat whose template holds it)."""
     found: Found = []
     for m in _modules(module):
-        if isinstance(m, QuantLayer):
+        if isinstance(m, (QuantLayer, QuantAttention)):
             found.append((m, None))
         elif isinstance(m, Repeat):
-            found.extend((t, m) for t in _modules(m._template.block) if isinstance(t, QuantLayer))
+            found.extend(
+                (t, m)
+                for t in _modules(m._template.block)
+                if isinstance(t, (QuantLayer, QuantAttention))
+            )
     return found
 
 
@@ -71,8 +77,8 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
         )
     if not found:
         raise ValueError(
-            f"{me}: {_describe(module)} has no {what}: ps.nn.Dense and ps.nn.Embedding (also "
-            "inside a Repeat's blocks) can be quantized."
+            f"{me}: {_describe(module)} has no {what}: ps.nn.Dense, ps.nn.Embedding and "
+            "MultiHeadAttention, also inside a Repeat's blocks) can be quantized."
         )
     pattern = re.compile(where) if where is not None else None
     chosen = [(ly, r) for ly, r in found if pattern is None or pattern.search(ly.scope_name)]
@@ -84,13 +90,15 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
     return chosen
 
 
-def quantize(module: Module, mode: str, *, where: str | None = None) -> list[QuantLayer]:
+def quantize(module: Module, mode: str, *, where: str | None = None) -> list[Quantizable]:
     """Quantize the ``Dense``/``Embedding`` layers of ``module`` whose full name ``where``
     searches, in ``mode`` (``"int8"`` or ``"int4"``); returns the layers changed (see the
     module docstring)."""
     me = "ps.nn.quantize"
     mode = check_mode(mode, me)
-    chosen = _chosen(module, where, me, quantizable_layers(module), "Dense or Embedding layer")
+    chosen = _chosen(
+        module, where, me, quantizable_layers(module), "Dense, Embedding or attention layer"
+    )
     for layer, rep in chosen:
         if rep is not None and not rep.built:
             raise ValueError(
@@ -106,7 +114,7 @@ def quantize(module: Module, mode: str, *, where: str | None = None) -> list[Qua
     return [layer for layer, _ in chosen]
 
 
-def dequantize(module_or_layer: Module, *, where: str | None = None) -> list[QuantLayer]:
+def dequantize(module_or_layer: Module, *, where: str | None = None) -> list[Quantizable]:
     """Dequantize every quantized layer of ``module_or_layer`` whose full name ``where``
     searches; returns the layers changed."""
     me = "ps.nn.dequantize"

@@ -337,7 +337,7 @@ def test_bad_input_changes_nothing():
         ps.nn.quantize(model, "int8", where="attn")
     with pytest.raises(TypeError, match="where must be a regular expression"):
         ps.nn.quantize(model, "int8", where=3)
-    with pytest.raises(ValueError, match="no Dense or Embedding layer"):
+    with pytest.raises(ValueError, match="no Dense, Embedding or attention layer"):
         ps.nn.quantize(ps.nn.Sequential([]), "int8")
     same(before, snapshot(model))
     ps.nn.quantize(model, "int8", where="head")
@@ -352,3 +352,93 @@ def test_bad_input_changes_nothing():
     with pytest.raises(ValueError, match="Embedding 'model/embed' has LoRA enabled"):
         ps.nn.quantize(model, "int8", where="embed")
     same(before, snapshot(model))
+
+
+# ------------------------------------------------------------------ attention projections
+
+
+@pytest.mark.tf
+def test_attention_projections_match_keras_einsum_dense(keras):
+    q_in, v_in = rand(2, 3, 6), rand(2, 5, 6)
+    theirs = keras.layers.MultiHeadAttention(2, 4)
+    theirs(q_in, v_in)
+    ours = ps.nn.MultiHeadAttention(2, 4)
+    ours(q_in, v_in)
+    weights = [rand(*w.shape) for w in theirs.get_weights()]
+    theirs.set_weights(weights)
+    ours.set_weights(weights)
+    subs = {
+        "query": theirs._query_dense,
+        "key": theirs._key_dense,
+        "value": theirs._value_dense,
+        "attention_output": theirs._output_dense,
+    }
+    for sub in subs.values():  # what keras.Model.quantize("int8") does to the layer
+        sub.quantize("int8")
+    ours.quantize("int8")
+    assert ours.quantization_mode == "int8"
+    for name, sub in subs.items():
+        kernel, scale = ours._kernels[f"{name}/kernel"], ours._kernels[f"{name}/kernel_scale"]
+        assert kernel.dtype == jnp.int8 and not kernel.trainable and not scale.trainable
+        assert scale.name.endswith(f"/{name}/kernel_scale")
+        np.testing.assert_array_equal(kernel.numpy(), np.asarray(sub._kernel))
+        np.testing.assert_array_equal(scale.numpy(), np.asarray(sub.kernel_scale).reshape(scale.shape))  # fmt: skip
+    assert ours._kernels["query/kernel_scale"].shape == (2, 4)
+    assert ours._kernels["attention_output/kernel_scale"].shape == (6,)
+    want = np.asarray(theirs(q_in, v_in))
+    np.testing.assert_allclose(f32(ours(q_in, v_in)), want, rtol=1e-5, atol=1e-5)
+
+
+class AttnBlock(ps.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = ps.nn.MultiHeadAttention(2, 3, name="attn")
+        self.fc = ps.nn.Dense(6, name="fc")
+
+    def __call__(self, x):
+        x = x + self.attn(x, x)
+        return x + self.fc(x)
+
+
+def test_attention_in_a_repeat_quantizes_per_block_trains_below_and_dequantizes():
+    rep = ps.nn.Repeat(AttnBlock, 2, name="blocks")
+    x = rand(2, 4, 6)
+    y0 = np.asarray(rep(x))
+    floats = {k: v.numpy() for k, v in rep.stacked.items()}
+    step = ps.function(lambda x: rep(x))
+    step(x)
+    changed = ps.nn.quantize(rep, "int8")
+    assert sorted(ly.scope_name for ly in changed) == ["blocks/attn_block/attn", "blocks/attn_block/fc"]
+    st = rep.stacked
+    assert st["attn/weights/query/kernel"].dtype == jnp.int8
+    assert st["attn/weights/query/kernel_scale"].shape == (2, 2, 3)
+    assert st["attn/weights/attention_output/kernel_scale"].shape == (2, 6)
+    for i in range(2):
+        q, s = abs_max_quantize(floats["attn/weights/attention_output/kernel"][i], (-3, -2), "int8")
+        np.testing.assert_array_equal(st["attn/weights/attention_output/kernel"].numpy()[i], q)
+        np.testing.assert_array_equal(st["attn/weights/attention_output/kernel_scale"].numpy()[i], s)  # fmt: skip
+    y1 = np.asarray(rep(x))
+    np.testing.assert_allclose(y1, y0, atol=0.1)  # int8's error, not another model
+    assert not np.array_equal(y1, y0)
+    np.testing.assert_array_equal(np.asarray(step(x)), y1)  # the step traced before retraces
+    # the gradient reaches the inputs through the quantized projections
+    xs = jnp.asarray(x)
+    g = jax.grad(lambda x: jnp.sum(ps.pure(lambda x: rep(x), rep)(ps.state(rep), x)[0] ** 2))(xs)
+    assert np.all(np.isfinite(np.asarray(g))) and np.any(np.asarray(g))
+    ps.nn.dequantize(rep)
+    assert all(v.dtype == jnp.float32 for v in rep.variables)
+    np.testing.assert_allclose(np.asarray(rep(x)), y0, atol=0.1)
+
+
+def test_attention_takes_int8_only_and_nothing_changes():
+    attn = ps.nn.MultiHeadAttention(2, 3)
+    with pytest.raises(ValueError, match="is not built"):
+        attn.quantize("int8")
+    attn(rand(1, 2, 4), rand(1, 2, 4))
+    before = snapshot(attn)
+    with pytest.raises(ValueError, match=r"MultiHeadAttention '.*'.*'int8' only \(got 'int4'\)"):
+        ps.nn.quantize(attn, "int4")
+    same(before, snapshot(attn))
+    attn.quantize("int8")
+    with pytest.raises(ValueError, match="quantized already"):
+        attn.quantize("int8")
