@@ -23,10 +23,10 @@ and ``model.safetensors``, or shards with ``model.safetensors.index.json``: e.g.
   that a re-run resumes (``--checkpoint-dir``), evaluation under ``ema.swap``, then the
   averages merged into the float32 kernels (``ps.nn.merge_lora``) and exported;
 * ``--qlora``: QLoRA (``qlora_fine_tune``): the model built abstract under
-  ``mixed_bfloat16``, its blocks' MLP ``Dense`` kernels quantized to int8
-  (``ps.nn.quantize``) *before* loading, so ``init_from_checkpoint`` quantizes each float
-  tensor on the host on its way in; LoRA on the quantized MLP layers (the attention
-  projections are not quantized: ``ps.nn.MultiHeadAttention`` has no ``quantize`` yet),
+  ``mixed_bfloat16``, its blocks' MLP ``Dense`` kernels and attention projections quantized
+  to int8 (``ps.nn.quantize``) *before* loading, so ``init_from_checkpoint`` quantizes each
+  float tensor on the host on its way in (the fused ``c_attn`` split by its transforms
+  first); LoRA on the quantized MLP layers (``ps.nn.MultiHeadAttention`` takes no LoRA),
   Adam's slots in host memory, an EMA; ``ps.plan``'s table of the step's memory printed
   before training;
 * ``ps.checkpoint.export_safetensors`` back to Hugging Face's names and layout
@@ -262,6 +262,7 @@ def fine_tune(model: GPT2, batches: list[np.ndarray], learning_rate: float = 1e-
 
 
 LORA_WHERE = r"block/c_(fc|proj)$"  # the MLP Dense layers of every block
+QUANT_WHERE = r"block/(c_fc|c_proj|multi_head_attention)$"  # --qlora: the MLP and attention
 
 
 def lora_tuner(
@@ -316,12 +317,12 @@ def lora_fine_tune(
 def qlora_fine_tune(
     model_dir: str, batches: list[np.ndarray], *, rank: int = 4, seq_len: int = 8
 ) -> dict[str, Any]:
-    """QLoRA: an int8 base (the MLP kernels quantized while loading), LoRA adapters on it,
+    """QLoRA: an int8 base (MLP and attention kernels quantized while loading), LoRA adapters,
     Adam with slots in host memory and an EMA; prints ``ps.plan``'s table of the step, then
     trains on ``batches``."""
     c = Config.from_dir(model_dir)
     model = build(c, seq_len, "mixed_bfloat16")
-    quantized = ps.nn.quantize(model, "int8", where=LORA_WHERE)  # abstract: nothing allocated
+    quantized = ps.nn.quantize(model, "int8", where=QUANT_WHERE)  # abstract: nothing allocated
     ps.checkpoint.init_from_checkpoint(
         model_dir, hf_map(model), transforms=hf_transforms(c), cast=True, allow_unverified=True
     )  # each float MLP tensor quantized on the host as it is read

@@ -155,17 +155,20 @@ def test_qlora_quantizes_while_loading_plans_and_trains(ex, hf_dir, capsys):
     batches = [np.random.default_rng(2).integers(0, 100, (4, 9))] * 4
     with ps.VariableStore():
         floats, _ = ex.load(hf_dir, policy="mixed_bfloat16")
-        ps.nn.quantize(floats, "int8", where=ex.LORA_WHERE)  # the reference: load, then quantize
+        ps.nn.quantize(floats, "int8", where=ex.QUANT_WHERE)  # the reference: load, quantize
         want = {k: v.numpy() for k, v in floats.h.stacked.items()}
     with ps.VariableStore():
         run = ex.qlora_fine_tune(hf_dir, batches, rank=2)
         model = run["model"]
-        assert [ly.scope_name for ly in run["quantized"]] == [
+        assert sorted(ly.scope_name for ly in run["quantized"]) == [
             "gpt2/repeat/block/c_fc",
             "gpt2/repeat/block/c_proj",
+            "gpt2/repeat/block/multi_head_attention",
         ]
         stacked = model.h.stacked
-        for key in ("c_fc/kernel", "c_fc/kernel_scale", "c_proj/kernel", "c_proj/kernel_scale"):
+        assert stacked["attn/weights/query/kernel"].dtype == np.int8
+        assert set(want) == {k for k in stacked if "lora" not in k}
+        for key in want:  # int8 values and scales equal loading the floats, then quantizing
             np.testing.assert_array_equal(stacked[key].numpy(), want[key], err_msg=key)
         assert stacked["c_fc/kernel"].dtype == np.int8 and not stacked["c_fc/kernel"].trainable
         assert run["losses"][-1] < run["losses"][0]
