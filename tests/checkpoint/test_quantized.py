@@ -6,15 +6,29 @@ loading the floats and then quantizing; bad tensors change nothing."""
 from __future__ import annotations
 
 import os
+import sys
+
+if __name__ == "__main__":  # the multi-device subprocess: before jax is imported
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import contextlib
+import tempfile
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _multidevice import multi_device_tests, run_checks
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 import paramstore as ps
 from paramstore.checkpoint import init_from_checkpoint
+from paramstore.nn._quant_ops import abs_max_quantize, pack_int4
 
 
 class Block(ps.Module):
@@ -28,7 +42,7 @@ class Block(ps.Module):
 
 def make(abstract=False):
     """A model with an Embedding, a Repeat of Dense blocks and a Dense head, built."""
-    with ps.abstract() if abstract else _null():
+    with ps.abstract() if abstract else contextlib.nullcontext():
         model = ps.nn.Sequential(
             [
                 ps.nn.Embedding(10, 6, name="embed"),
@@ -41,14 +55,6 @@ def make(abstract=False):
         model.layers[1].build((None, 2, 6))
         model.layers[2].build((None, 2, 6))
     return model
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def quantize(model):
@@ -202,3 +208,73 @@ def test_the_float_model_is_never_on_a_device(tmp_path, monkeypatch):
     assert ((6, 5), jnp.float32) not in placed and ((3, 6, 8), jnp.float32) not in placed
     assert ((6, 3), jnp.int8) in placed and ((3, 6, 8), jnp.int8) in placed
     assert os.path.exists(path)
+
+
+def test_abstract_quantized_layer_initializes_from_its_float_initializer():
+    def build(abstract):
+        with ps.VariableStore():
+            ps.random.set_seed(4)
+            with ps.abstract() if abstract else contextlib.nullcontext():
+                dense = ps.nn.Dense(5, name="d")
+                dense.build((None, 7))
+                dense.quantize("int8")
+            if abstract:
+                assert dense.kernel.is_abstract and dense.kernel_scale.is_abstract
+                ps.initialize(dense)
+            return dense.kernel.numpy(), dense.kernel_scale.numpy()
+
+    concrete, initialized = build(False), build(True)
+    np.testing.assert_array_equal(initialized[0], concrete[0])
+    np.testing.assert_array_equal(initialized[1], concrete[1])
+
+
+# ------------------------------------------------------------------ 8 devices
+
+CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__.removeprefix("check_")] = fn
+    return fn
+
+
+@check
+def check_fsdp_quantize_while_loading_keeps_the_shardings():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rng = np.random.default_rng(5)
+    w1, w2 = rng.standard_normal((16, 64), np.float32), rng.standard_normal((64, 32), np.float32)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.safetensors")
+        ps.checkpoint.write_arrays(path, {"up/kernel": w1, "down/kernel": w2})
+        with ps.abstract(), ps.device(mesh), ps.sharding.axis_rules(mesh, [("mlp", "data")]):
+            model = ps.nn.Sequential(
+                [
+                    ps.nn.Dense(64, use_bias=False, kernel_partition=(None, "mlp"), name="up"),
+                    ps.nn.Dense(32, use_bias=False, kernel_partition=("mlp", None), name="down"),
+                ]
+            )
+            model.build((None, 16))
+        ps.nn.quantize(model, "int8", where="up")
+        ps.nn.quantize(model, "int4", where="down")
+        up, down = model.layers
+        assert up.kernel.sharding.spec == P(None, "data") and up.kernel.is_abstract
+        assert up.kernel_scale.sharding.spec == P("data")
+        assert down.kernel.sharding.spec == P("data", None)  # packed: (64, 16)
+        init_from_checkpoint(path, {"/": "/"})
+        for layer, w, mode in ((up, w1, "int8"), (down, w2, "int4")):
+            q, s = abs_max_quantize(w, -2, mode)
+            q = pack_int4(q) if mode == "int4" else q
+            np.testing.assert_array_equal(layer.kernel.numpy(), np.asarray(q))
+            np.testing.assert_array_equal(layer.kernel_scale.numpy(), np.asarray(s))
+        shard = up.kernel.value().addressable_shards[0].data
+        assert shard.shape == (16, 8) and shard.dtype == jnp.int8  # each device: its shard
+        x = jax.device_put(np.ones((4, 16), np.float32), NamedSharding(mesh, P()))
+        assert np.all(np.isfinite(np.asarray(model(x))))
+
+
+quantized_results, test_multi_device = multi_device_tests(CHECKS, __file__, "quantized_results")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        run_checks(CHECKS, sys.argv[1])
