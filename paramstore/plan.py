@@ -287,17 +287,25 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
     kwargs = {k: jax.tree_util.tree_map(_spec, v) for k, v in kwargs.items()}
     with _abstract.abstract():  # a variable the trace creates is created abstract
         roots = _roots(target, args, kwargs)
-        variables, kind = _classify(roots)
-        names = [v.name for v in variables]
-        if len(set(names)) != len(names):  # two stores with one name: keep the first
-            seen: set[str] = set()
-            variables = [v for v in variables if not (v.name in seen or seen.add(v.name))]  # type: ignore[func-returns-value]
-        by_name = {v.name: v for v in variables}
-        step = pure(target, variables)
-        specs = _specs(variables)
-        closed, (_out_shape, new_shape) = jax.make_jaxpr(step, return_shape=True)(
-            specs, *args, **kwargs
-        )
+        for attempt in range(3):  # again when the trace created variables (lazy builds)
+            variables, kind = _classify(roots)
+            known = {id(v) for v in variables}
+            names = [v.name for v in variables]
+            if len(set(names)) != len(names):  # two stores with one name: keep the first
+                seen: set[str] = set()
+                variables = [v for v in variables if not (v.name in seen or seen.add(v.name))]  # type: ignore[func-returns-value]
+            by_name = {v.name: v for v in variables}
+            step = pure(target, variables)
+            specs = _specs(variables)
+            try:
+                closed, (_out_shape, new_shape) = jax.make_jaxpr(step, return_shape=True)(
+                    specs, *args, **kwargs
+                )
+                break
+            except Exception:
+                created = [v for v in _classify(roots)[0] if id(v) not in known]
+                if not created or attempt == 2:
+                    raise
     used, written = _usage(closed, specs, args, kwargs, new_shape)
     donated = {k: specs[k] for k in written}
     readonly = {k: specs[k] for k in used if k not in written}

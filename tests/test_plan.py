@@ -118,6 +118,18 @@ def test_abstract_model_is_not_allocated_and_quantized_sizes_are_exact():
     assert row.parameters == quantized + adapters + nbytes((64,)) + nbytes((33,))
 
 
+def test_variables_the_first_trace_creates_are_created_abstract():
+    model = ps.nn.Sequential([ps.nn.Dense(32), ps.nn.Dense(4)])  # not built
+    plan = ps.plan(lambda x: model(x), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    assert [v.shape for v in model.variables] == [(32,), (16, 32), (4,), (32, 4)]
+    assert all(v.is_abstract for v in model.variables)  # created, nothing allocated
+    (row,) = plan.devices.values()
+    assert row.parameters == nbytes((16, 32)) + nbytes((32,)) + nbytes((32, 4)) + nbytes((4,))
+    assert row.outputs == nbytes((8, 4)) and row.inputs == nbytes((8, 16))
+    ps.initialize(model)  # then the model runs as planned
+    assert model(np.ones((8, 16), np.float32)).shape == (8, 4)
+
+
 # ------------------------------------------------------------------ 8 devices
 
 CHECKS: dict[str, Callable[[], None]] = {}
