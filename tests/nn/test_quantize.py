@@ -408,7 +408,10 @@ def test_attention_in_a_repeat_quantizes_per_block_trains_below_and_dequantizes(
     step = ps.function(lambda x: rep(x))
     step(x)
     changed = ps.nn.quantize(rep, "int8")
-    assert sorted(ly.scope_name for ly in changed) == ["blocks/attn_block/attn", "blocks/attn_block/fc"]
+    assert sorted(ly.scope_name for ly in changed) == [
+        "blocks/attn_block/attn",
+        "blocks/attn_block/fc",
+    ]
     st = rep.stacked
     assert st["attn/weights/query/kernel"].dtype == jnp.int8
     assert st["attn/weights/query/kernel_scale"].shape == (2, 2, 3)
