@@ -302,9 +302,15 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
                     specs, *args, **kwargs
                 )
                 break
-            except Exception:
+            except Exception as e:
                 created = [v for v in _classify(roots)[0] if id(v) not in known]
                 if not created or attempt == 2:
+                    if "inside ps.abstract()" in str(e):
+                        e.add_note(
+                            "ps.plan traces the step inside ps.abstract(), where a variable "
+                            "made from another variable's value (an EMA shadow) cannot be "
+                            "created: create it before planning (one ema.apply(...) call)."
+                        )
                     raise
     used, written = _usage(closed, specs, args, kwargs, new_shape)
     donated = {k: specs[k] for k in written}

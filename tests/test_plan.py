@@ -130,6 +130,28 @@ def test_variables_the_first_trace_creates_are_created_abstract():
     assert model(np.ones((8, 16), np.float32)).shape == (8, 4)
 
 
+def test_ema_shadows_count_as_other_state_and_must_exist_first():
+    model = make()
+    opt = ps.Optimizer(optax.sgd(0.1), model.trainable_variables)
+    ema = ps.ExponentialMovingAverage(0.9)
+
+    @ps.function
+    def step(x):
+        loss, grads = ps.value_and_grad(lambda: jnp.mean(model(x) ** 2), model)()
+        opt.apply_gradients(grads)
+        ema.apply(model.trainable_variables)
+        return loss
+
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    with pytest.raises(TypeError, match="ExponentialMovingAverage") as info:
+        ps.plan(step, x)
+    assert any("ema.apply" in note for note in info.value.__notes__)
+    ema.apply(model.trainable_variables)  # the shadows exist: then the step plans
+    (row,) = ps.plan(step, x).devices.values()
+    weights = nbytes((16, 64)) + nbytes((64,)) + nbytes((64, 32)) + nbytes((32,))
+    assert row.parameters == weights and row.other_state == weights  # one shadow each
+
+
 # ------------------------------------------------------------------ 8 devices
 
 CHECKS: dict[str, Callable[[], None]] = {}
