@@ -280,13 +280,15 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
         )
     bound = getattr(fn, "_bound", None)
     instance = bound() if callable(bound) else None
-    target = getattr(fn, "__wrapped__", fn)
-    if instance is not None:
+    inner = getattr(fn, "__wrapped__", fn)
+    if instance is not None:  # a ps.function method: its instance is state, not an input
         args = (instance, *args)
-    args = tuple(jax.tree_util.tree_map(_spec, a) for a in args)
-    kwargs = {k: jax.tree_util.tree_map(_spec, v) for k, v in kwargs.items()}
+    held = [a for a in (*args, *kwargs.values()) if isinstance(a, (Module, Variable))]
+    target = _closing_over(inner, args, kwargs)  # Modules and Variables are read, not passed
+    args = tuple(jax.tree_util.tree_map(_spec, a) for a in args if not _is_state(a))
+    kwargs = {k: jax.tree_util.tree_map(_spec, v) for k, v in kwargs.items() if not _is_state(v)}
     with _abstract.abstract():  # a variable the trace creates is created abstract
-        roots = _roots(target, args, kwargs)
+        roots = _roots(inner, (*held, *args), kwargs)
         for attempt in range(3):  # again when the trace created variables (lazy builds)
             variables, kind = _classify(roots)
             known = {id(v) for v in variables}
@@ -352,6 +354,26 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
     for device in {d for s in specs.values() for d in _sharding(s).device_set}:
         rows.setdefault(device, PlanRow())
     return Plan(dict(sorted(rows.items(), key=lambda kv: kv[0].id)), host, stats)
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, (Module, Variable))
+
+
+def _closing_over(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn`` taking only the array arguments: the Modules and Variables among ``args`` and
+    ``kwargs`` put back in their places (as ``ps.function`` reads them, never passes them)."""
+    if not any(_is_state(a) for a in (*args, *kwargs.values())):
+        return fn
+    slots = [a if _is_state(a) else None for a in args]
+    fixed = {k: v for k, v in kwargs.items() if _is_state(v)}
+
+    def call(*dyn: Any, **kw: Any) -> Any:
+        it = iter(dyn)
+        full = [s if s is not None else next(it) for s in slots]
+        return fn(*full, *it, **kw, **fixed)
+
+    return call
 
 
 def _specs(variables: list[Variable]) -> dict[str, jax.ShapeDtypeStruct]:

@@ -152,6 +152,38 @@ def test_ema_shadows_count_as_other_state_and_must_exist_first():
     assert row.parameters == weights and row.other_state == weights  # one shadow each
 
 
+class Trainer(ps.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = make()
+        inner = ps.Optimizer(optax.adam(1e-3), self.model.trainable_variables)
+        self.opt = ps.LossScaleOptimizer(inner)
+
+    @ps.function
+    def step(self, x):
+        scaled = lambda: self.opt.scale_loss(jnp.mean(self.model(x) ** 2))  # noqa: E731
+        _, grads = ps.value_and_grad(scaled, self.model)()
+        self.opt.apply_gradients(grads)
+        return jnp.zeros(())
+
+
+def test_a_method_and_modules_as_arguments_are_state_not_inputs():
+    trainer = Trainer()
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    (row,) = ps.plan(trainer.step, x).devices.values()
+    weights = nbytes((16, 64)) + nbytes((64,)) + nbytes((64, 32)) + nbytes((32,))
+    assert row.parameters == weights and row.inputs == nbytes((8, 16))
+    counters = sum(v.dtype.itemsize * v.size for v in trainer.opt.variables if v.ndim == 0)
+    assert row.optimizer_state == 2 * weights + counters  # Adam's slots, counters, loss scale
+
+    def forward(model, x):
+        return model(x)
+
+    (row,) = ps.plan(ps.function(forward), trainer.model, x).devices.values()
+    assert row.parameters == weights and row.optimizer_state == 0
+    assert row.inputs == nbytes((8, 16)) and row.outputs == nbytes((8, 32))
+
+
 # ------------------------------------------------------------------ 8 devices
 
 CHECKS: dict[str, Callable[[], None]] = {}
