@@ -81,7 +81,8 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
             "MultiHeadAttention, also inside a Repeat's blocks) can be quantized."
         )
     pattern = re.compile(where) if where is not None else None
-    chosen = [(ly, r) for ly, r in found if pattern is None or pattern.search(ly.scope_name)]
+    unique = list({id(ly): (ly, r) for ly, r in found}.values())  # a layer used twice: once
+    chosen = [(ly, r) for ly, r in unique if pattern is None or pattern.search(ly.scope_name)]
     if not chosen:
         raise ValueError(
             f"{me}: no {what} of {_describe(module)} matches where={where!r}; their full "

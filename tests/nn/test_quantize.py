@@ -445,3 +445,13 @@ def test_attention_takes_int8_only_and_nothing_changes():
     attn.quantize("int8")
     with pytest.raises(ValueError, match="quantized already"):
         attn.quantize("int8")
+
+
+def test_a_layer_used_twice_is_quantized_once():
+    shared = ps.nn.Dense(6, name="shared")
+    model = ps.nn.Sequential([shared, shared])
+    x = rand(2, 6)
+    model(x)
+    assert len(ps.nn.quantize(model, "int8")) == 1
+    assert shared.kernel.dtype == jnp.int8
+    assert len(ps.nn.dequantize(model)) == 1
