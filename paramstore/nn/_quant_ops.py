@@ -6,6 +6,7 @@ loading. Bit-identical to Keras 3's ``abs_max_quantize``/``pack_int4``; see
 from __future__ import annotations
 
 import functools
+import mmap
 from typing import Any
 
 import jax
@@ -89,32 +90,63 @@ def unpack_int4(packed: jax.Array, n: int) -> jax.Array:
     return signed.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :n]
 
 
-def quantize_host(w: Any, axis: Axes, mode: str, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def quantize_host(w: Any, axis: Axes, mode: str, rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """``abs_max_quantize`` in NumPy on the host, bit-identical to it (and to Keras 3's numpy
-    path), packed when int4. ``w`` (a float array, or a view of a file) is read in blocks of
-    ``rows`` along an axis that is not reduced, so the float temporaries are a block's size."""
+    path), packed when int4. ``w`` (a float array, or a view of a memory-mapped file) is read
+    in blocks of ``rows`` along its first axis, so the float temporaries are a block's size;
+    where the first axis is reduced, a first pass takes the running maximum. The pages of a
+    memory-mapped ``w`` are released behind each block, so its bytes are never all resident."""
     low, high = _RANGE[mode]
     ndim = len(w.shape)
     axes = axes_of(axis, ndim)
-    b = next(k for k in range(ndim) if k not in axes)  # the blocked axis
-    bs = b - sum(1 for a in axes if a < b)  # its position in the scale
     eps = np.float32(EPSILON)
+    n = w.shape[0]
+    scale_shape = [d for k, d in enumerate(w.shape) if k not in axes]
 
-    def cut(i: int, n: int, at: int) -> tuple[slice, ...]:
-        index = [slice(None)] * n
-        index[at] = slice(i, i + rows)
-        return tuple(index)
+    def block(i: int) -> np.ndarray:
+        out = np.array(w[i : i + rows], dtype=np.float32)  # a copy: the pages can go
+        _release(w, i, min(i + rows, n))
+        return out
 
-    scale = np.empty([d for k, d in enumerate(w.shape) if k not in axes], np.float32)
+    if 0 in axes:  # the scale reduces over the blocked axis: a running maximum first
+        amax = np.zeros(scale_shape, np.float32)
+        for i in range(0, n, rows):
+            np.maximum(amax, np.abs(block(i)).max(axis=axes), out=amax)
+        scale = np.float32(high) / (amax + eps)
+    else:
+        scale = np.empty(scale_shape, np.float32)
     q = np.empty(w.shape, np.int8)
-    for i in range(0, w.shape[b], rows):
-        block = np.asarray(w[cut(i, ndim, b)], dtype=np.float32)
-        s = np.float32(high) / (np.abs(block).max(axis=axes) + eps)
-        scale[cut(i, ndim - len(axes), bs)] = s
-        q[cut(i, ndim, b)] = np.clip(np.round(block * np.expand_dims(s, axes)), low, high)
+    for i in range(0, n, rows):
+        b = block(i)
+        if 0 in axes:
+            s = np.expand_dims(scale, axes)
+        else:
+            s_rows = np.float32(high) / (np.abs(b).max(axis=axes) + eps)
+            scale[i : i + rows] = s_rows
+            s = np.expand_dims(s_rows, axes)
+        q[i : i + rows] = np.clip(np.round(b * s), low, high)
     if mode == "int4":
         q = _pack_host(q)
     return q, scale
+
+
+def _release(w: Any, start: int, stop: int) -> None:
+    """Drop the resident pages of rows ``[start, stop)`` of an array over a read-only memory
+    map (they are read again from the file if touched); anything else: nothing."""
+    base = getattr(w, "base", None)
+    while isinstance(base, (np.ndarray, memoryview)):  # a view's base's base ...
+        base = base.obj if isinstance(base, memoryview) else base.base
+    if not isinstance(base, mmap.mmap) or not w.flags.c_contiguous or not w.size:
+        return
+    origin: int = np.frombuffer(base, np.uint8).__array_interface__["data"][0]
+    row = w.nbytes // w.shape[0]
+    first = w.__array_interface__["data"][0] - origin + start * row
+    aligned = first - first % mmap.PAGESIZE
+    length = (stop - start) * row + (first - aligned)
+    try:
+        base.madvise(mmap.MADV_DONTNEED, aligned, length - length % mmap.PAGESIZE)
+    except (OSError, ValueError, AttributeError):  # a platform without madvise: keep them
+        pass
 
 
 def _pack_host(q: np.ndarray) -> np.ndarray:

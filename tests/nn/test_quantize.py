@@ -10,9 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from safetensors.numpy import save_file
 
 import paramstore as ps
-from paramstore.nn._quant import abs_max_quantize, int8_matmul, pack_int4, unpack_int4
+from paramstore.nn._quant import (
+    abs_max_quantize,
+    int8_matmul,
+    pack_int4,
+    quantize_host,
+    unpack_int4,
+)
 
 RNG = np.random.default_rng(11)
 
@@ -455,3 +462,24 @@ def test_a_layer_used_twice_is_quantized_once():
     assert len(ps.nn.quantize(model, "int8")) == 1
     assert shared.kernel.dtype == jnp.int8
     assert len(ps.nn.dequantize(model)) == 1
+
+
+@pytest.mark.parametrize(
+    "shape,axis",
+    [((37, 11), -2), ((37, 11), -1), ((5, 37, 11), -2), ((6, 2, 4), -3), ((2, 4, 6), (-3, -2))],
+)
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_host_quantizer_is_bit_identical_also_over_a_memory_map(tmp_path, shape, axis, mode):
+    w = rand(*shape)
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": w}, path)
+    q, s = abs_max_quantize(w, axis, mode)
+    q = pack_int4(q) if mode == "int4" else q
+    reader = ps.checkpoint.open_reader(path, allow_unverified=True)
+    try:
+        for source in (w, reader.view("w")):  # an array, and a view of the mapped file
+            hq, hs = quantize_host(source, axis, mode, rows=4)
+            np.testing.assert_array_equal(hq, np.asarray(q))
+            np.testing.assert_array_equal(hs, np.asarray(s))
+    finally:
+        reader.close()
