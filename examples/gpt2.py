@@ -22,6 +22,13 @@ and ``model.safetensors``, or shards with ``model.safetensors.index.json``: e.g.
   Adam and an EMA of the LoRA factors in one ``ps.function`` step, numbered checkpoints
   that a re-run resumes (``--checkpoint-dir``), evaluation under ``ema.swap``, then the
   averages merged into the float32 kernels (``ps.nn.merge_lora``) and exported;
+* ``--qlora``: QLoRA (``qlora_fine_tune``): the model built abstract under
+  ``mixed_bfloat16``, its blocks' MLP ``Dense`` kernels and attention projections quantized
+  to int8 (``ps.nn.quantize``) *before* loading, so ``init_from_checkpoint`` quantizes each
+  float tensor on the host on its way in (the fused ``c_attn`` split by its transforms
+  first); LoRA on the quantized MLP layers (``ps.nn.MultiHeadAttention`` takes no LoRA),
+  Adam's slots in host memory, an EMA; ``ps.plan``'s table of the step's memory printed
+  before training;
 * ``ps.checkpoint.export_safetensors`` back to Hugging Face's names and layout
   (``export``), which ``GPT2LMHeadModel.from_pretrained`` loads.
 """
@@ -255,6 +262,7 @@ def fine_tune(model: GPT2, batches: list[np.ndarray], learning_rate: float = 1e-
 
 
 LORA_WHERE = r"block/c_(fc|proj)$"  # the MLP Dense layers of every block
+QUANT_WHERE = r"block/(c_fc|c_proj|multi_head_attention)$"  # --qlora: the MLP and attention
 
 
 def lora_tuner(
@@ -300,6 +308,42 @@ def lora_fine_tune(
     return {
         "model": model,
         "resumed_at": resumed_at,
+        "losses": losses,
+        "eval_loss": raw,
+        "ema_eval_loss": averaged,
+    }
+
+
+def qlora_fine_tune(
+    model_dir: str, batches: list[np.ndarray], *, rank: int = 4, seq_len: int = 8
+) -> dict[str, Any]:
+    """QLoRA: an int8 base (MLP and attention kernels quantized while loading), LoRA adapters,
+    Adam with slots in host memory and an EMA; prints ``ps.plan``'s table of the step, then
+    trains on ``batches``."""
+    c = Config.from_dir(model_dir)
+    model = build(c, seq_len, "mixed_bfloat16")
+    quantized = ps.nn.quantize(model, "int8", where=QUANT_WHERE)  # abstract: nothing allocated
+    ps.checkpoint.init_from_checkpoint(
+        model_dir, hf_map(model), transforms=hf_transforms(c), cast=True, allow_unverified=True
+    )  # each float MLP tensor quantized on the host as it is read
+    tuner = lora_recipe.LoRATuner(
+        model,
+        lambda ids: lm_loss(model, ids),
+        rank=rank,
+        where=LORA_WHERE,
+        learning_rate=1e-2,
+        ema_decay=0.9,
+        slot_memory_kind="pinned_host",
+    )
+    batch = jax.ShapeDtypeStruct(np.shape(batches[0]), jnp.int32)
+    plan = ps.plan(tuner.step, batch)
+    print(plan)
+    losses = tuner.train([b.astype(np.int32) for b in batches])
+    raw, averaged = tuner.evaluate(jnp.asarray(batches[-1], jnp.int32))
+    return {
+        "model": model,
+        "plan": plan,
+        "quantized": quantized,
         "losses": losses,
         "eval_loss": raw,
         "ema_eval_loss": averaged,
@@ -356,7 +400,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--lora", action="store_true", help="LoRA in mixed_bfloat16 with EMA instead of full"
     )
-    parser.add_argument("--rank", type=int, default=4, help="LoRA rank (--lora)")
+    parser.add_argument(
+        "--qlora",
+        action="store_true",
+        help="QLoRA: int8 MLP kernels quantized while loading, LoRA, host-memory slots",
+    )
+    parser.add_argument("--rank", type=int, default=4, help="LoRA rank (--lora, --qlora)")
     parser.add_argument(
         "--checkpoint-dir", help="--lora: numbered checkpoints here; a re-run resumes from them"
     )
@@ -378,6 +427,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if out != model_dir:
             os.makedirs(out, exist_ok=True)
             shutil.copy(os.path.join(model_dir, "config.json"), out)
+        if args.qlora:
+            with ps.VariableStore():
+                run = qlora_fine_tune(model_dir, batches, rank=args.rank)
+            losses = run["losses"]
+            print(f"QLoRA (int8 base, rank {args.rank}, mixed_bfloat16)")
+            print("fine-tuning losses:", " ".join(f"{x:.3f}" for x in losses))
+            print(f"eval loss {run['eval_loss']:.4f}, with the EMA {run['ema_eval_loss']:.4f}")
+            return {"losses": losses, "logits": logits, "reference": ref, "plan": run["plan"]}
         if args.lora:
             with ps.VariableStore():
                 run = lora_fine_tune(

@@ -59,7 +59,9 @@ class LoRATuner:
     """Freeze ``model``, add LoRA where ``where`` matches, train, average, checkpoint, resume.
 
     ``loss(*batch)`` computes the loss of one batch by calling ``model``. ``directory``
-    (optional) holds the numbered checkpoints.
+    (optional) holds the numbered checkpoints. ``slot_memory_kind="pinned_host"`` keeps
+    Adam's slots in host memory (QLoRA's recipe). A quantized model (``ps.nn.quantize``
+    first) is QLoRA: the adapters train on the frozen int8 kernels.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class LoRATuner:
         ema_decay: float = 0.99,
         directory: str | os.PathLike[str] | None = None,
         max_to_keep: int | None = 3,
+        slot_memory_kind: str | None = None,
     ) -> None:
         self.model = model
         self.loss = loss
@@ -80,7 +83,9 @@ class LoRATuner:
             v.trainable = False
         self.layers = ps.nn.enable_lora(model, rank, where=where)
         self.lora = list(model.trainable_variables)  # the LoRA factors, nothing else
-        self.opt = ps.Optimizer(optax.adam(learning_rate), self.lora)
+        self.opt = ps.Optimizer(
+            optax.adam(learning_rate), self.lora, slot_memory_kind=slot_memory_kind
+        )
         self.ema = ps.ExponentialMovingAverage(ema_decay, num_updates=self.opt.iterations)
         self.ema.apply(self.lora)  # the shadows exist before a restore (a first update is a no-op)
         self.checkpoint = ps.Checkpoint(model=model, optimizer=self.opt, ema=self.ema)

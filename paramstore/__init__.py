@@ -36,6 +36,7 @@ from paramstore.functional import (
 from paramstore.module import Module
 from paramstore.optimizer import Optimizer
 from paramstore.optimizer.loss_scale import LossScaleOptimizer
+from paramstore.plan import Plan, PlanRow, plan
 from paramstore.regularization import regularization_loss
 from paramstore.remat import remat
 from paramstore.scope import (
@@ -60,6 +61,8 @@ __all__ = [
     "LossScaleOptimizer",
     "Module",
     "Optimizer",
+    "Plan",
+    "PlanRow",
     "Reference",
     "Saver",
     "State",
@@ -82,6 +85,7 @@ __all__ = [
     "name_scope",
     "nn",
     "non_trainable",
+    "plan",
     "pure",
     "random",
     "regularization_loss",

@@ -182,3 +182,10 @@ def test_recurrent_benchmark_prints_ratios_and_first_calls():
     assert "pure JAX: lax.scan cell, jax.jit, donated [reference]" in out
     assert "step, ps.function / pure JAX:" in out and "Keras" in out
     assert "trace + compile, seq 16 / seq 4:" in out
+
+
+@pytest.mark.slow
+def test_quantized_benchmark_prints_its_rows():
+    out = run("quantized.py", "--quick")
+    assert "QLoRA argument bytes / float32 LoRA's" in out
+    assert "init_from_checkpoint / anchor" in out and "ps.plan:" in out

@@ -46,7 +46,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("functional core", ["functional", "remat", "regularization"]),
     ("compiled functions", ["function", "_function", "sharding"]),
-    ("training", ["mixed_precision", "optimizer", "nn", "metrics", "_display", "averaging"]),
+    (
+        "training",
+        ["mixed_precision", "optimizer", "nn", "metrics", "_display", "averaging", "plan"],
+    ),
     ("checkpoints", ["checkpoint"]),
     ("entry points", ["cli", "demo", "doctor", "__main__"]),
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,21 +72,35 @@ STATE_LOCK = threading.RLock()
 class _TraceEpoch:
     """How many times something a ``ps.function`` trace depends on besides its signature
     has changed, process-wide: a variable's ``trainable`` flag (``v.trainable = ...``,
-    ``module.trainable = ...``) or its sharding (``ps.sharding.reshard``). A trace records
+    ``module.trainable = ...``), its sharding (``ps.sharding.reshard``), or a variable
+    *retired* (``retire``: a layer replaced it, as ``ps.nn.quantize`` replaces a float
+    kernel by an int8 one, so a trace that read it is stale). A trace records
     the epoch and, when it has moved, checks the flags and shardings of the variables it
     captured: the trace is redone where one it saw changed (freezing between calls takes
     effect; a step compiled before a reshard does not write its variables back on their old
     shardings)."""
 
-    __slots__ = ("epoch", "_count")
+    __slots__ = ("epoch", "_count", "_retired")
 
     def __init__(self) -> None:
         self._count = itertools.count(1)
         self.epoch = 0
+        self._retired: dict[int, weakref.ref[Any]] = {}
 
     def bump(self) -> None:
         # next() on a count is atomic: threads bumping at once each get a new value
         self.epoch = next(self._count)
+
+    def retire(self, var: Any) -> None:
+        """Mark ``var`` replaced for good: every trace that captured it is traced anew."""
+        key = id(var)
+        self._retired[key] = weakref.ref(var, lambda _r: self._retired.pop(key, None))
+        self.bump()
+
+    def is_retired(self, var: Any) -> bool:
+        """Whether ``retire(var)`` was called."""
+        ref = self._retired.get(id(var))
+        return ref is not None and ref() is var
 
 
 TRACE_EPOCH = _TraceEpoch()

@@ -72,6 +72,8 @@ class Entry:
         (then the entry is current again; else it must be traced anew)."""
         if [v.trainable for v in self.moved] != self.flags:
             return False
+        if any(TRACE_EPOCH.is_retired(v) for v in self.moved):
+            return False  # a layer replaced it (ps.nn.quantize / dequantize)
         if not self.program.current():
             return False
         self.epoch = TRACE_EPOCH.epoch

@@ -18,6 +18,7 @@ from typing import Any
 
 from paramstore._core.store import VariableStore, preview_names
 from paramstore.checkpoint.format import suggest
+from paramstore.nn._quant import is_scale
 from paramstore.variable import Variable
 
 _LAYER = re.compile(r"(?P<base>.+)\[(?P<index>\d+)\]")
@@ -115,6 +116,8 @@ def _scope(
     targets = []
     for v in under:
         ckpt = ("" if key == "/" else key) + v.name[len(prefix) :]
+        if ckpt not in names and is_scale(v):
+            continue  # a quantization scale a float checkpoint lacks: computed while loading
         if ckpt not in names:
             raise ValueError(
                 f"init_from_checkpoint: variable '{v.name}' (under '{scope}') has no checkpoint "

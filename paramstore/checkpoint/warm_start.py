@@ -48,6 +48,7 @@ from paramstore.checkpoint.format import PathLike, Reader, dtype_name, is_string
 from paramstore.checkpoint.io import aligned_empty
 from paramstore.checkpoint.readers import opened
 from paramstore.checkpoint.saver import assign_all, check_assignable, outside_traces
+from paramstore.nn._quant import QuantInfo, quantize_host, quantized_of
 from paramstore.scope import default_store
 from paramstore.variable import Variable
 
@@ -96,10 +97,17 @@ def init_from_checkpoint(
             groups.setdefault(id(t.var), []).append(t)
         # keyed by position: two variables of one name (from two stores) stay apart
         present = {str(i): group[0].var for i, group in enumerate(groups.values())}
-        values = {
-            str(i): _value(r, group[0].var, group, chains, cast)
-            for i, group in enumerate(groups.values())
-        }
+        quantizing = {i: _quantizing(r, group) for i, group in enumerate(groups.values())}
+        _check_scales(groups, quantizing)
+        values: dict[str, Any] = {}
+        for i, group in enumerate(groups.values()):
+            info = quantizing[i]
+            if info is None:
+                values[str(i)] = _value(r, group[0].var, group, chains, cast)
+                continue
+            # quantize while loading: one float tensor at a time, on the host
+            values[str(i)], values[f"{i}/scale"] = _quantized(r, group, info, chains, cast)
+            present[f"{i}/scale"] = info.scale
         assign_all(present, values, {})
     return {t.label: t.ckpt for t in sorted(targets, key=lambda t: t.label)}
 
@@ -126,8 +134,21 @@ def _transforms(transforms: Mapping[str, Transform] | None) -> list[tuple[re.Pat
 def _check(
     path: str, t: Target, shape: tuple[int, ...], dtype: np.dtype, cast: bool, how: str | None
 ) -> None:
-    """ValueError unless a value of ``shape`` and ``dtype`` fits ``t`` (``cast``: floats)."""
+    """ValueError unless a value of ``shape`` and ``dtype`` fits ``t`` (``cast``: floats; a
+    quantized variable: a float tensor of the float shape it stands for)."""
     want_dtype = np.dtype(t.var.dtype)
+    info = quantized_of(t.var)
+    if info is not None and dtype != want_dtype:
+        want = info.float_shape(t.shape)
+        if shape == want and _is_float(dtype):
+            return
+        raise ValueError(
+            f"init_from_checkpoint: checkpoint '{path}' holds '{t.ckpt}' with shape {shape} "
+            f"and dtype {dtype_name(dtype)}{how or ''}, which cannot be quantized into variable "
+            f"'{t.label}' ({info.mode}, stored {t.shape} int8): quantizing while loading takes "
+            f"a floating-point tensor of shape {want} (or the int8 values themselves, shape "
+            f"{t.shape}). Give a transform that reshapes or transposes it."
+        )
     floats = _is_float(dtype) and _is_float(want_dtype)
     if shape == t.shape and (dtype == want_dtype or (cast and floats)):
         return
@@ -187,6 +208,46 @@ def _value(
         return out
 
     return jax.make_array_from_callback(tuple(v.shape), sharding, shard)
+
+
+def _quantizing(r: Reader, group: list[Target]) -> QuantInfo | None:
+    """The quantized variable's ``QuantInfo`` when ``group`` fills it from float tensors."""
+    info = quantized_of(group[0].var)
+    if info is None:
+        return None
+    return info if _is_float(np.dtype(r.entries[group[0].ckpt].dtype)) else None
+
+
+def _check_scales(groups: Mapping[int, list[Target]], quantizing: Mapping[int, Any]) -> None:
+    """A scale computed while loading is not also read from the checkpoint."""
+    for i, info in quantizing.items():
+        if info is not None and id(info.scale) in groups:
+            t = list(groups.values())[i][0]
+            raise ValueError(
+                f"init_from_checkpoint: variable '{t.label}' is quantized from the float "
+                f"'{t.ckpt}', which also gives its scale '{info.scale.name}'; the map assigns "
+                "that scale from the checkpoint too. Leave the scale out of the map (or load "
+                "the int8 values with it)."
+            )
+
+
+def _quantized(
+    r: Reader, group: list[Target], info: QuantInfo, chains: Mapping[str, list[Any]], cast: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The quantized values and the scale of ``group``'s variable, from float tensors read and
+    quantized one at a time on the host, each device copying only its shards."""
+    by_layer = sorted(group, key=lambda t: -1 if t.index is None else t.index)
+    parts = [quantize_host(_source(r, t, chains[t.label], cast), info.axis, info.mode) for t in by_layer]  # fmt: skip
+    if group[0].index is None:
+        q, s = parts[0]
+    else:
+        q, s = np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+    return _placed(q, group[0].var), _placed(s, info.scale)
+
+
+def _placed(value: np.ndarray, v: Variable) -> jax.Array:
+    sharding = v.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _view(r: Reader, name: str) -> np.ndarray | None:

@@ -18,6 +18,7 @@ from paramstore.nn.pooling import (
     GlobalMaxPooling2D,
     MaxPooling2D,
 )
+from paramstore.nn.quantize import dequantize, quantize
 from paramstore.nn.recurrent import GRU, LSTM, Bidirectional
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.reshaping import Activation, Flatten, Reshape
@@ -45,6 +46,8 @@ __all__ = [
     "Repeat",
     "Reshape",
     "Sequential",
+    "dequantize",
     "enable_lora",
     "merge_lora",
+    "quantize",
 ]

@@ -35,6 +35,7 @@ import contextlib
 import functools
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -61,6 +62,7 @@ __all__ = [
     "Shape",
     "as_float",
     "autocast",
+    "is_statistic",
     "features",
     "hooks",
     "initializer",
@@ -321,6 +323,15 @@ def keras_name(cls_name: str) -> str:
     return re.sub(r"(\d)_d\b", r"\1d", name)
 
 
+_STATISTICS: weakref.WeakValueDictionary[int, Variable] = weakref.WeakValueDictionary()
+
+
+def is_statistic(var: Variable) -> bool:
+    """Whether a layer created ``var`` non-trainable (``add_weight(trainable=False)``: moving
+    statistics), so it is state, not a weight (``ps.plan``'s ``other_state``)."""
+    return _STATISTICS.get(id(var)) is var
+
+
 class Layer(Module):
     """A module that builds its variables once, from its first input's shape (see the
     module docstring)."""
@@ -377,13 +388,16 @@ class Layer(Module):
         scope)."""
         dt = self.variable_dtype if dtype is None else dtype
         dims = tuple(shape)
-        return Variable(
+        var = Variable(
             lambda: initializer(dims, dt),
             trainable=trainable,
             name=name,
             partition=partition,
             **hooks(self, hooks_from or name),  # <name>_regularizer / _constraint
         )
+        if not trainable:  # state the layer keeps (moving statistics), not a weight
+            _STATISTICS[id(var)] = var
+        return var
 
     def cast(self, value: Variable | jax.Array) -> jax.Array:
         """A variable's value (or an array) in the compute dtype if it is floating, as

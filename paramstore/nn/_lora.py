@@ -96,7 +96,7 @@ class LoRALayer(Layer):
         self, rank: int, alpha: float | None, a_init: Any, b_init: Any
     ) -> tuple[Variable, Variable]:
         target: Variable = getattr(self, self.lora_target)
-        n_in, n_out = target.shape[-2], target.shape[-1]
+        n_in, n_out = self.lora_dims()
         a = self.add_weight(self.lora_names[0], (n_in, rank), a_init, dtype="float32")
         b = self.add_weight(self.lora_names[1], (rank, n_out), b_init, dtype="float32")
         setattr(self, self.lora_names[0], a)
@@ -106,6 +106,11 @@ class LoRALayer(Layer):
         self.lora_rank, self.lora_alpha = rank, float(rank) if alpha is None else alpha
         self.lora_enabled = True
         return a, b
+
+    def lora_dims(self) -> tuple[int, int]:
+        """``(in, out)`` of the target (a quantized layer: of its float kernel)."""
+        target: Variable = getattr(self, self.lora_target)
+        return target.shape[-2], target.shape[-1]
 
     def enable_lora(
         self,

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from paramstore import initializers as _init
 from paramstore import scope as _scope
 from paramstore._core.layout import Partition
-from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, initializer, set_hooks
+from paramstore.nn._base import PolicyLike, Shape, as_float, initializer, set_hooks
+from paramstore.nn._quant_attention import QuantAttention
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
@@ -20,7 +21,7 @@ __all__ = ["MultiHeadAttention"]
 _NEG = -1e9  # Keras' large negative number for masked logits (float32)
 
 
-class MultiHeadAttention(Layer):
+class MultiHeadAttention(QuantAttention):
     """Scaled dot-product attention with ``num_heads`` heads, as Keras'.
 
     ``layer(query, value, key=None, mask=None, use_causal_mask=False)``: ``query`` has shape
@@ -197,7 +198,7 @@ class MultiHeadAttention(Layer):
         w = {name: self.cast(var) for name, var in self._kernels.items()}
 
         def project(x: jax.Array, name: str) -> jax.Array:
-            y = jnp.einsum("bsd,dhk->bshk", x, w[f"{name}/kernel"])
+            y = self.project("bsd,dhk->bshk", x, name, w)  # int8 once quantized
             return y + w[f"{name}/bias"] if self.use_bias else y
 
         q, k, v = project(q_in, "query"), project(k_in, "key"), project(v_in, "value")
@@ -210,7 +211,7 @@ class MultiHeadAttention(Layer):
             causal = jnp.tril(jnp.ones((t, s), bool))
             allowed = causal if allowed is None else jnp.logical_and(allowed, causal)
         out = _attend(q, k, v, allowed, 1.0 / math.sqrt(self.key_dim))
-        y = jnp.einsum("bthk,hkd->btd", out, w["attention_output/kernel"])
+        y = self.project("bthk,hkd->btd", out, "attention_output", w)
         return y + w["attention_output/bias"] if self.use_bias else y
 
 

@@ -27,14 +27,14 @@ from paramstore.nn._base import (
     resolve_activation,
     set_hooks,
 )
-from paramstore.nn._lora import LoRALayer
+from paramstore.nn._quant import QuantLayer, int4_matmul, int8_matmul, unpack_int4
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
 __all__ = ["Dense", "Embedding", "Dropout", "Sequential"]
 
 
-class Dense(LoRALayer):
+class Dense(QuantLayer):
     """``activation(x @ kernel + bias)`` over the last axis, as ``keras.layers.Dense``.
 
     ``kernel`` has shape ``(in, units)`` (``in`` is the last axis of the first input),
@@ -44,7 +44,8 @@ class Dense(LoRALayer):
     axis names, e.g. ``("embed", "mlp")``; see ``ps.sharding.axis_rules``).
     ``lora_rank``/``lora_alpha`` and ``enable_lora``/``merge_lora``: LoRA on the kernel, as
     Keras 3 (``lora_kernel_a`` ``(in, rank)``, ``lora_kernel_b`` ``(rank, units)``; see
-    ``paramstore.nn._lora``).
+    ``paramstore.nn._lora``). ``quantize("int8" | "int4")``: an int8 ``kernel`` and a float32
+    ``kernel_scale`` ``(units,)``, as Keras 3 (see ``paramstore.nn._quant``).
     """
 
     variable_names = ("kernel", "bias")
@@ -105,6 +106,8 @@ class Dense(LoRALayer):
         """``activation(x @ kernel + bias)``, building the layer on the first call."""
         x = as_float(x, self)
         self.ensure_built(tuple(x.shape))
+        if self.quantization_mode is not None:
+            return self._quantized_call(x)
         kernel = self.cast(self.kernel)
         if self.lora_enabled:  # as Keras 3: in the compute dtype (a and b autocast)
             scale = self.lora_alpha / self.lora_rank  # type: ignore[operator]
@@ -115,8 +118,29 @@ class Dense(LoRALayer):
             y = y + self.cast(self.bias)
         return y if self.activation is None else self.activation(y)
 
+    def _quantized_call(self, x: jax.Array) -> jax.Array:
+        """Keras 3's ``_int8_call`` / per-channel ``_int4_call`` (``paramstore.nn._quant``)."""
+        scale = self.cast(self.kernel_scale)
+        if self.quantization_mode == "int8":
+            y = int8_matmul(x, self.kernel.value(), scale)
+        else:
+            y = int4_matmul(x, self.kernel.value(), scale, self.units)
+        if self.lora_enabled:  # QLoRA: the adapter on the float inputs
+            factor = self.lora_alpha / self.lora_rank  # type: ignore[operator]
+            lora = jnp.matmul(
+                jnp.matmul(x, self.cast(self.lora_kernel_a)), self.cast(self.lora_kernel_b)
+            )
+            y = (y + factor * lora).astype(self.compute_dtype)
+        if self.bias is not None:
+            y = y + self.cast(self.bias)
+        return y if self.activation is None else self.activation(y)
 
-class Embedding(LoRALayer):
+    def lora_dims(self) -> tuple[int, int]:
+        """``(in, units)``, also when the kernel is packed int4."""
+        return self.kernel.shape[-2], self.units
+
+
+class Embedding(QuantLayer):
     """A lookup table ``embeddings`` ``(input_dim, output_dim)``, as ``keras.layers.Embedding``
     (initialized uniformly in [-0.05, 0.05]). Inputs must be integer indices; the output has
     shape ``x.shape + (output_dim,)``. An id outside ``[0, input_dim)`` raises eagerly; in a
@@ -127,6 +151,7 @@ class Embedding(LoRALayer):
 
     lora_target = "embeddings"
     lora_names = ("lora_embeddings_a", "lora_embeddings_b")
+    quant_axis = -1  # one scale per row (Keras 3's embeddings_scale (input_dim,))
     variable_names = ("embeddings",)
     embeddings: Variable
     lora_embeddings_a: Variable
@@ -199,6 +224,8 @@ class Embedding(LoRALayer):
         # Traced ids cannot be checked: an id outside [0, input_dim) gives a row of NaN
         # (never a wrapped or clipped row), as documented in docs/layers.md.
         safe = jnp.where((ids < 0) | (ids >= self.input_dim), self.input_dim, ids)
+        if self.quantization_mode is not None:
+            return self._quantized_lookup(safe)
         table = self.embeddings.value()  # Keras 3 does not autocast the table: the rows are
         # taken in the variable dtype (with LoRA: float32), then cast to the compute dtype
         if self.lora_enabled:
@@ -207,6 +234,27 @@ class Embedding(LoRALayer):
             table = (table + scale * delta).astype(self.compute_dtype)
         out = jnp.take(table, safe, axis=0, mode="fill", fill_value=jnp.nan)
         return out.astype(self.compute_dtype)
+
+    def _quantized_lookup(self, safe: jax.Array) -> jax.Array:
+        """Keras 3's ``Embedding._int8_call`` / per-channel ``_int4_call``: the rows in the
+        compute dtype divided by their scales (an id out of range: a row of NaN)."""
+        rows = jnp.take(self.embeddings.value(), safe, axis=0, mode="fill", fill_value=0)
+        if self.quantization_mode == "int4":  # unpack the rows taken, not the table
+            rows = unpack_int4(rows, self.output_dim)
+        rows = rows.astype(self.compute_dtype)
+        scale = jnp.take(self.embeddings_scale.value(), safe, axis=0, mode="fill",
+                         fill_value=jnp.nan)  # fmt: skip
+        out = rows / scale[..., None]
+        if self.lora_enabled:
+            factor = self.lora_alpha / self.lora_rank  # type: ignore[operator]
+            a = jnp.take(self.lora_embeddings_a.value(), safe, axis=0, mode="fill",
+                         fill_value=jnp.nan)  # fmt: skip
+            out = out + factor * jnp.matmul(a, self.lora_embeddings_b.value())
+        return out.astype(self.compute_dtype)
+
+    def lora_dims(self) -> tuple[int, int]:
+        """``(input_dim, output_dim)``, also when the table is packed int4."""
+        return self.input_dim, self.output_dim
 
 
 class Dropout(Layer):

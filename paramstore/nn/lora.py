@@ -165,6 +165,8 @@ def merge_lora(module: Module) -> list[LoRALayer]:
             f"ps.nn.merge_lora: no layer of {_describe(module)} has LoRA enabled; nothing to "
             "merge (enable it with ps.nn.enable_lora or layer.enable_lora)."
         )
+    for layer, _ in chosen:
+        layer.check_lora_merge()  # all checked first (a quantized layer is refused)
     for layer, rep in chosen:
         if rep is None:
             layer.merge_lora()

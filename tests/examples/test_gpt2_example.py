@@ -150,3 +150,36 @@ def test_lora_in_bfloat16_with_ema_resumes_and_exports_to_transformers(ex, hf_di
     assert resumed.keys() == final.keys()
     for name, value in final.items():
         np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_qlora_quantizes_while_loading_plans_and_trains(ex, hf_dir, capsys):
+    batches = [np.random.default_rng(2).integers(0, 100, (4, 9))] * 4
+    with ps.VariableStore():
+        floats, _ = ex.load(hf_dir, policy="mixed_bfloat16")
+        ps.nn.quantize(floats, "int8", where=ex.QUANT_WHERE)  # the reference: load, quantize
+        want = {k: v.numpy() for k, v in floats.h.stacked.items()}
+    with ps.VariableStore():
+        run = ex.qlora_fine_tune(hf_dir, batches, rank=2)
+        model = run["model"]
+        assert sorted(ly.scope_name for ly in run["quantized"]) == [
+            "gpt2/repeat/block/c_fc",
+            "gpt2/repeat/block/c_proj",
+            "gpt2/repeat/block/multi_head_attention",
+        ]
+        stacked = model.h.stacked
+        assert stacked["attn/weights/query/kernel"].dtype == np.int8
+        assert set(want) == {k for k in stacked if "lora" not in k}
+        for key in want:  # int8 values and scales equal loading the floats, then quantizing
+            np.testing.assert_array_equal(stacked[key].numpy(), want[key], err_msg=key)
+        assert stacked["c_fc/kernel"].dtype == np.int8 and not stacked["c_fc/kernel"].trainable
+        assert run["losses"][-1] < run["losses"][0]
+        plan = run["plan"]
+        (row,) = plan.devices.values()
+        adapters = sum(v.size * 4 for v in model.trainable_variables)
+        assert plan.host.optimizer_state == 2 * adapters  # Adam's slots in host memory
+        assert row.other_state >= adapters  # the EMA shadows
+        int8 = sum(v.size for v in model.variables if v.dtype == np.int8)
+        assert row.parameters >= int8 + adapters
+    out = capsys.readouterr().out
+    assert "optimizer_state" in out and "host" in out and "peak per device" in out

@@ -1,0 +1,171 @@
+"""``ps.nn.quantize`` / ``ps.nn.dequantize``: quantized weights over a whole model.
+
+Contract (docs/api.md, "Quantized weights"; the per-layer math is ``paramstore.nn._quant``):
+
+* ``quantize(module, mode, *, where=None)`` quantizes every ``Dense`` and ``Embedding`` in
+  ``module`` (``module`` itself included) whose full name (``layer.scope_name``) the regular
+  expression ``where`` searches (``None``: all), the blocks of a ``ps.nn.Repeat`` included
+  (named as its template's layers, ``repeat/block/dense``): their stacked kernel
+  ``(n, in, units)`` becomes int8 ``(n, in, units)`` (int4: packed) with a stacked scale
+  ``(n, units)``, one scale row per block. Returns the list of layers it changed.
+* ``dequantize(module_or_layer, *, where=None)`` undoes it on every quantized layer
+  ``where`` matches (float kernels back, scales removed, the ``trainable`` flag from before).
+* Everything is checked before anything changes: an unknown mode, ``where`` not a str
+  (``TypeError``), no quantizable layer in ``module``, none matching ``where`` (``ValueError``
+  naming the pattern and listing the names), a matching layer unbuilt, quantized already or
+  with LoRA enabled (``ValueError`` naming it); ``dequantize`` with no quantized layer
+  matching: ``ValueError``.
+* A ``ps.function`` traced before is traced anew at its next call (the replaced variables are
+  retired: ``TRACE_EPOCH``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from paramstore._core import frames as _trace
+from paramstore._core.context import TRACE_EPOCH
+from paramstore._core.jax_api import EVAL, in_trace
+from paramstore.module import Module
+from paramstore.nn._quant import (
+    QuantLayer,
+    check_mode,
+    dequantize_variable,
+    quantize_variable,
+)
+from paramstore.nn._quant_attention import QuantAttention
+from paramstore.nn.repeat import Repeat
+from paramstore.nn.repeat.layout import attribute_paths
+
+__all__ = ["dequantize", "quantize"]
+
+Quantizable = QuantLayer | QuantAttention
+Found = list[tuple[Quantizable, Repeat | None]]
+
+
+def _describe(module: Any) -> str:
+    if isinstance(module, Module):
+        return f"{type(module).__name__} '{module.scope_name}'"
+    return type(module).__name__
+
+
+def _modules(root: Any) -> list[Module]:
+    return [root, *root.submodules] if isinstance(root, Module) else []
+
+
+def quantizable_layers(module: Any) -> Found:
+    """Every ``Dense``/``Embedding`` in ``module`` (with the Repeat whose template holds it)."""
+    found: Found = []
+    for m in _modules(module):
+        if isinstance(m, (QuantLayer, QuantAttention)):
+            found.append((m, None))
+        elif isinstance(m, Repeat):
+            found.extend(
+                (t, m)
+                for t in _modules(m._template.block)
+                if isinstance(t, (QuantLayer, QuantAttention))
+            )
+    return found
+
+
+def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
+    if where is not None and not isinstance(where, str):
+        raise TypeError(
+            f"{me}: where must be a regular expression (a str searched in each layer's full "
+            f"name, e.g. r'mlp|attn'), got {type(where).__name__}."
+        )
+    if not found:
+        raise ValueError(
+            f"{me}: {_describe(module)} has no {what}: ps.nn.Dense, ps.nn.Embedding and "
+            "MultiHeadAttention, also inside a Repeat's blocks) can be quantized."
+        )
+    pattern = re.compile(where) if where is not None else None
+    unique = list({id(ly): (ly, r) for ly, r in found}.values())  # a layer used twice: once
+    chosen = [(ly, r) for ly, r in unique if pattern is None or pattern.search(ly.scope_name)]
+    if not chosen:
+        raise ValueError(
+            f"{me}: no {what} of {_describe(module)} matches where={where!r}; their full "
+            f"names are {[ly.scope_name for ly, _ in found]}."
+        )
+    return chosen
+
+
+def quantize(module: Module, mode: str, *, where: str | None = None) -> list[Quantizable]:
+    """Quantize the ``Dense``/``Embedding`` layers of ``module`` whose full name ``where``
+    searches, in ``mode`` (``"int8"`` or ``"int4"``); returns the layers changed (see the
+    module docstring)."""
+    me = "ps.nn.quantize"
+    mode = check_mode(mode, me)
+    chosen = _chosen(
+        module, where, me, quantizable_layers(module), "Dense, Embedding or attention layer"
+    )
+    for layer, rep in chosen:
+        if rep is not None and not rep.built:
+            raise ValueError(
+                f"{me}: {layer.describe()} is in {_describe(rep)}, which is not built yet: "
+                "call the model (or build it) before quantize."
+            )
+        layer.check_quantize(mode)
+    for layer, rep in chosen:
+        if rep is None:
+            layer.quantize(mode)
+        else:
+            _stacked(rep, layer, lambda ly: ly.quantize(mode))
+    return [layer for layer, _ in chosen]
+
+
+def dequantize(module_or_layer: Module, *, where: str | None = None) -> list[Quantizable]:
+    """Dequantize every quantized layer of ``module_or_layer`` whose full name ``where``
+    searches; returns the layers changed."""
+    me = "ps.nn.dequantize"
+    found = [(ly, r) for ly, r in quantizable_layers(module_or_layer) if ly.quantization_mode]
+    chosen = _chosen(module_or_layer, where, me, found, "quantized layer")
+    for layer, rep in chosen:
+        if rep is None:
+            layer.dequantize()
+        else:
+            _stacked(rep, layer, lambda ly: ly.dequantize())
+    return [layer for layer, _ in chosen]
+
+
+def _stacked(rep: Repeat, layer: Any, change: Any) -> None:
+    """Apply ``change`` (quantize or dequantize) to a Repeat's template layer, then do the
+    same to its stacked variables (one scale row per block) and relayout the Repeat."""
+    t = rep._template
+    by_key = dict(zip(rep._order, t.tvars))
+    key_of = {id(v): k for k, v in by_key.items()}
+    was_mode = layer.quantization_mode
+    before = layer.quant_slots()
+    targets = [key_of[id(slot.target)] for slot in before]
+    old_scales = [key_of[id(slot.scale)] if slot.scale is not None else None for slot in before]
+    with t.store, _trace.no_frames(), in_trace(EVAL):
+        change(layer)
+    stacked = dict(rep.stacked)
+    paths = attribute_paths(t.block)
+    for slot, key, scale_key in zip(layer.quant_slots(), targets, old_scales):
+        big = stacked[key]
+        if layer.quantization_mode is not None:  # quantized now
+            q, s = quantize_variable(big, slot.axis, layer.quantization_mode, slot.leaf)
+            new_scale_key = paths[id(slot.scale)]
+            stacked[key], stacked[new_scale_key] = q, s
+            by_key[new_scale_key] = slot.scale
+        else:
+            assert was_mode is not None and scale_key is not None
+            s = stacked.pop(scale_key)
+            by_key.pop(scale_key)
+            target = slot.target
+            stacked[key] = dequantize_variable(
+                big, s, slot.axis, was_mode, slot.units, target.dtype, target.trainable
+            )
+            s._store._forget(s)
+            TRACE_EPOCH.retire(s)
+        by_key[key] = slot.target
+        big._store._forget(big)
+        TRACE_EPOCH.retire(big)
+    order = sorted(by_key)
+    t.tvars = [by_key[k] for k in order]
+    rep._order = order
+    rep.stacked = {k: stacked[k] for k in order}
+    t.others.clear()
+    t.compiled = None  # the eager path's ps.function traced the old variables
