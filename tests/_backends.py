@@ -3,14 +3,14 @@ CPU, and on a GPU and that machine's CPU with ``tools/gpu_suite.sh``).
 
 XLA:CPU computes a value to the same bits eagerly (one small program per operation) and
 inside a compiled program, in this process and in another. XLA:GPU promises neither: it
-fuses operations differently in a program than one by one (a multiply-add contracted into
-one rounding, measured on an H200: initial values 5.96e-8 apart, the last bit of float32
-values below 1), picks convolution and reduction algorithms per process (its autotuner)
-and computes float32 matrix products in TensorFloat-32 by default. So a test comparing two
+fuses and rounds a program's arithmetic differently from the same operations run one by
+one (measured on an H200: initial values eager against compiled 5.96e-8 apart, the last
+bit of float32 values below 1), its autotuner picks convolution algorithms in each
+process, and it computes float32 matrix products in TensorFloat-32 by default. So a test comparing two
 computations of the same numbers asserts bit equality on CPU and, elsewhere, closeness
 within a tolerance it states (``assert_same_numbers``); integers and booleans stay exact
-on every backend. A test of something only one backend has is skipped elsewhere, saying
-why (``cpu_only``).
+on every backend. (A test of something only one backend has is skipped elsewhere with
+``pytest.mark.skipif(jax.default_backend() != "cpu", reason=...)``, the reason saying what.)
 """
 
 from __future__ import annotations
@@ -20,19 +20,12 @@ from typing import Any
 
 import jax
 import numpy as np
-import pytest
 
 ON_CPU = jax.default_backend() == "cpu"
 
 # Two computations of float32 values below ~1 that differ only in how XLA fuses and rounds
 # them (eager against compiled, one program against another): a few roundings apart.
 ROUNDING = {"rtol": 1e-6, "atol": 1e-6}
-
-
-def cpu_only(reason: str) -> pytest.MarkDecorator:
-    """Skip the test where JAX's default backend is not the CPU: ``reason`` says what only
-    XLA:CPU has."""
-    return pytest.mark.skipif(not ON_CPU, reason=f"XLA:CPU only: {reason}")
 
 
 def assert_same_numbers(
