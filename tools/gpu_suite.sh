@@ -19,7 +19,8 @@
 # with every installed distribution pinned to its version (jax, jaxlib and their CUDA plugins
 # are never reinstalled, nor anything else present); paramstore itself with --no-deps, or
 # from the checkout through PYTHONPATH. Outside a virtual environment this goes into
-# .venv-gpu/, a venv that sees the system's packages. What cannot be installed (no network,
+# .venv-gpu/, a venv that sees the system's packages (into the system's Python where it
+# cannot make one). What cannot be installed (no network,
 # no wheel for this Python) is listed in summary.txt; the tests needing it then fail as
 # errors (tests/_lazy.py: the oracles are never skipped).
 set -uo pipefail
@@ -41,8 +42,12 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # this checkout's paramstor
 # --- the environment -----------------------------------------------------------------------
 PY="${PYTHON:-python3}"
 if ! "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
-  [ -x "$ROOT/.venv-gpu/bin/python" ] || "$PY" -m venv --system-site-packages "$ROOT/.venv-gpu" || exit 1
-  PY="$ROOT/.venv-gpu/bin/python"
+  if [ -x "$ROOT/.venv-gpu/bin/python" ] \
+    || "$PY" -m venv --system-site-packages "$ROOT/.venv-gpu" >/dev/null 2>&1; then
+    PY="$ROOT/.venv-gpu/bin/python"
+  else # no venv module here: the system's Python itself (what is there stays pinned)
+    export PIP_BREAK_SYSTEM_PACKAGES=1
+  fi
 fi
 "$PY" -c 'import jax' || { echo "no JAX for $PY: install jax first (this script never does)"; exit 1; }
 
