@@ -43,8 +43,10 @@ of the same row:
   variable created sharded), as NNX's sharding guide shows. Anchor: ``jax.jit(init,
   out_shardings=...)`` of a hand-written init of the same arrays.
 
-On CPU the devices are forced with ``XLA_FLAGS=--xla_force_host_platform_device_count`` (set
-here before JAX starts).
+``--devices N`` (8 by default) runs on N CPU devices, forced with
+``XLA_FLAGS=--xla_force_host_platform_device_count`` and ``JAX_PLATFORMS=cpu`` (set here
+before JAX starts, so also on a machine with a GPU); ``--devices 0`` takes JAX's default
+devices (a machine's GPUs).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ ROWS = ("creation", "restore", "init")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="CPU devices to force (0: as is)")
+    parser.add_argument(
+        "--devices", type=int, default=8, help="CPU devices to force (0: JAX's default devices)"
+    )
     parser.add_argument("--mib", type=int, default=512, help="model size: MiB of float32")
     parser.add_argument("--blocks", type=int, default=4, help="MLP blocks (2 Dense each)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -84,6 +88,7 @@ def main() -> None:
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={args.devices}"
         )
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the forced devices, even where a GPU is
     Bench(args).run()
 
 

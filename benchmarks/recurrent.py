@@ -12,6 +12,19 @@ its per-step time is an epoch of ``fit`` (after a warm-up epoch) divided by its 
 Targets (issue 27): step <= 1.05x the hand-written one; first-call time at sequence 64 and
 1024 within 1.2x of each other (one scan: the program does not grow with the length).
 
+Each first-call figure is measured in a fresh child process (the backend started, nothing of
+the model compiled before). In one process the figures are not comparable on a GPU: XLA:GPU
+autotunes matrix products (it times candidate kernels on buffers of their real size) and
+keeps each choice for the rest of the process, so the step compiled first pays for the
+autotuning and a later compile of the same products finds it done. That explains what an
+H200 measured in one process (issue 32): ps.function's trace + compile at 1024 2.50x that at
+64, pure JAX's 1.08x. The steps timed before had autotuned the sequence-64 products, the
+ps.function compile at 1024 autotuned its 16x larger ones, and the pure-JAX compile that
+followed it found them done. The programs themselves are alike: on CPU their optimized HLO
+has 888 and 879 instructions (the difference: copies for the donated Dense parameters), the
+same at both lengths, and ps.function's trace does not grow with the length either (one
+``lax.scan``). XLA:CPU does not autotune: 0.91x there.
+
     python benchmarks/recurrent.py                 # 128 units, seq 64, batch 32
     python benchmarks/recurrent.py --quick         # smallest sizes (the smoke test)
 """
@@ -19,6 +32,7 @@ Targets (issue 27): step <= 1.05x the hand-written one; first-call time at seque
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -152,35 +166,49 @@ def hand_step(units: int, features: int) -> tuple[Any, list[Any]]:
     return step, state
 
 
-def first_call(units: int, batch: int, seq: int, features: int) -> dict[str, float]:
-    """Trace + compile time of a fresh ps.function step (``lower().compile()``) and of the
-    hand-written one, and the whole first call of the ps.function step, in seconds."""
+FIRST_CALLS = ("compile_ps", "compile_hand", "first_call_ps")
+
+
+def first_call_here(kind: str, units: int, batch: int, seq: int, features: int) -> dict[str, float]:
+    """In this process (a fresh one: see the module docstring), seconds of ``kind``: trace +
+    compile of the ps.function step (``lower().compile()``, "compile_ps") or of the
+    hand-written one ("compile_hand"), or the ps.function step's whole first call and then a
+    later step ("first_call_ps", "steady_ps")."""
     x, y = data(batch, seq, features)
+    jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(())))  # the backend started
+    if kind == "compile_hand":
+        tx = optax.adam(1e-3)
+        params = hand_params(units, features)
+        start = time.perf_counter()
+        jax.jit(hand_update(tx)).lower(params, tx.init(params), x, y).compile()
+        return {kind: time.perf_counter() - start}
     with ps.VariableStore():
         step, _ = ps_step(units, x)
         start = time.perf_counter()
-        step.lower(x, y).compile()
-        compile_ps = time.perf_counter() - start
-    with ps.VariableStore():
-        step, _ = ps_step(units, x)
-        start = time.perf_counter()
+        if kind == "compile_ps":
+            step.lower(x, y).compile()
+            return {kind: time.perf_counter() - start}
         jax.block_until_ready(step(x, y))
         call_ps = time.perf_counter() - start
-        steady = median_step(step, (x, y), 2, 3)
-    tx = optax.adam(1e-3)
-    params = hand_params(units, features)
+        return {kind: call_ps, "steady_ps": median_step(step, (x, y), 2, 3)}
 
-    update = hand_update(tx)
 
-    start = time.perf_counter()
-    jax.jit(update).lower(params, tx.init(params), x, y).compile()
-    compile_hand = time.perf_counter() - start
-    return {
-        "compile_ps": compile_ps,
-        "compile_hand": compile_hand,
-        "first_call_ps": call_ps,
-        "steady_ps": steady,
-    }
+def first_call(units: int, batch: int, seq: int, features: int) -> dict[str, float]:
+    """Every ``FIRST_CALLS`` figure at this size, each from its own child process."""
+    out: dict[str, float] = {}
+    for kind in FIRST_CALLS:
+        sizes = {"units": units, "batch": batch, "seq": seq, "features": features}
+        done = subprocess.run(
+            [sys.executable, __file__, "--first-call", kind]
+            + [f"--{k}={v}" for k, v in sizes.items()],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"first call {kind} at seq {seq}: {done.stderr[-2000:]}")
+        out |= json.loads(done.stdout.strip().splitlines()[-1])
+    return out
 
 
 def _flops(compiled: Any) -> float:
@@ -250,11 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-keras", action="store_true", help="skip the Keras 3 fit row")
     p.add_argument("--quick", action="store_true", help="smallest sizes (smoke test)")
+    p.add_argument("--features", type=int, default=FEATURES)
+    p.add_argument("--first-call", choices=FIRST_CALLS, help=argparse.SUPPRESS)  # a child
     args = p.parse_args(argv)
+    if args.first_call:
+        sizes = (args.units, args.batch, args.seq, args.features)
+        print(json.dumps(first_call_here(args.first_call, *sizes)))
+        return 0
     if args.quick:
         args.units, args.seq, args.long_seq, args.batch = 8, 4, 16, 2
         args.calls, args.repeats = 3, 2
-    features = FEATURES if not args.quick else 4
+        args.features = 4
+    features = args.features
     x, y = data(args.batch, args.seq, features)
 
     with ps.VariableStore():
@@ -266,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         ("ps.function: ps.nn.LSTM + Dense, ps.Optimizer", ps_time),
     ]
     keras_version = None
-    if not args.no_keras:
+    if not args.no_keras and importlib.util.find_spec("keras") is None:
+        print("Keras is not installed here: no Keras row (--no-keras to say so)")
+    elif not args.no_keras:
         k = keras_step(args.units, args.batch, args.seq, features, max(args.calls, 8))
         keras_version = k["keras"]
         rows.append((f"Keras {keras_version} fit, JAX backend (per step)", k["step"]))
@@ -289,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     short = first_call(args.units, args.batch, args.seq, features)
     long = first_call(args.units, args.batch, args.long_seq, features)
     print()
+    print("first calls: each figure from a fresh child process (see the module docstring)")
     print(
         f"{'first call (s)':40s} {'seq ' + str(args.seq):>10s} {'seq ' + str(args.long_seq):>10s} {'ratio':>7s}"
     )

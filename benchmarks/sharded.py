@@ -23,8 +23,10 @@ deadlock (jax 0.10, seen on a 2-core machine: "Termination timeout for all reduc
 Expected 8 threads to join the rendezvous"), with plain ``jax.jit`` as much as with
 paramstore. Figures are medians over ``--repeats`` runs, the two
 variants interleaved run by run so that machine noise hits both alike; ratios are
-paramstore / jax.jit. On CPU the devices are forced with
-``XLA_FLAGS=--xla_force_host_platform_device_count`` (set here before JAX starts).
+paramstore / jax.jit. ``--devices N`` (8 by default) runs on N CPU devices, forced with
+``XLA_FLAGS=--xla_force_host_platform_device_count`` and ``JAX_PLATFORMS=cpu`` (set here
+before JAX starts, so also on a machine with a GPU); ``--devices 0`` takes JAX's default
+devices: ``--devices 0 --rows optimizer`` on one GPU gives the GPU's rows.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ MODELS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="CPU devices to force (0: as is)")
+    parser.add_argument(
+        "--devices", type=int, default=8, help="CPU devices to force (0: JAX's default devices)"
+    )
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=7)
@@ -68,6 +72,7 @@ def main() -> None:
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={args.devices}"
         )
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the forced devices, even where a GPU is
 
     import jax
     import jax.numpy as jnp
@@ -772,10 +777,8 @@ def optimizer_rows(args: argparse.Namespace) -> None:
     parameters replicated). Placements: replicated slots (the default), ZeRO-1 (slots split
     over "data", ``slot_sharding=``), host memory (``slot_memory_kind="pinned_host"``) and
     both. Memory: the compiled step's ``memory_analysis()`` per device, arguments and
-    outputs; XLA:CPU counts arguments in host memory (``S(5)`` in the entry layout) in
-    ``argument_size_in_bytes`` (its ``host_*`` fields stay 0), so the device column takes
-    those out, read from the program's input/output shardings. Slots on the device: device
-    arguments less the replicated variant's, plus its slot bytes. Time: each paramstore step
+    outputs (see ``device_bytes`` for how host memory is taken out on each backend). Slots
+    on the device: device arguments less the replicated variant's, plus its slot bytes. Time: each paramstore step
     against a hand-written ``jax.jit`` with the same in/out shardings and memory kinds, the
     host slots moved by ``jax.device_put`` inside it; medians, interleaved."""
     import jax
@@ -861,7 +864,16 @@ def optimizer_rows(args: argparse.Namespace) -> None:
         return (lambda: step(x, y)), step.lower(x, y).compile()
 
     def device_bytes(compiled: Any) -> tuple[int, int, int]:
-        """(arguments, of which in host memory, outputs on the device) per device."""
+        """(arguments, of which in host memory, outputs on the device) per device.
+
+        The backends split host memory (``S(5)`` in the entry layout) differently: XLA:CPU
+        counts host-memory arguments and outputs in ``argument_size_in_bytes`` /
+        ``output_size_in_bytes`` (its ``host_*`` fields stay 0), XLA:GPU in
+        ``host_argument_size_in_bytes`` / ``host_output_size_in_bytes`` only. So all the
+        arguments are the sum of the two fields on either backend, and the host part is
+        read from the program's input/output shardings (on GPU it equals the ``host_*``
+        field): device = all - host, never negative (subtracting the host bytes from
+        ``argument_size_in_bytes`` alone was, on a GPU)."""
         stats = compiled.memory_analysis()
 
         def host_bytes(pairs: Any) -> int:
@@ -875,7 +887,9 @@ def optimizer_rows(args: argparse.Namespace) -> None:
             zip(jax.tree.leaves(compiled.input_shardings[0]), jax.tree.leaves(compiled.in_avals[0]))
         )
         outs = host_bytes((o.sharding, o) for o in jax.tree.leaves(compiled.out_info))
-        return stats.argument_size_in_bytes, ins, stats.output_size_in_bytes - outs
+        args = stats.argument_size_in_bytes + stats.host_argument_size_in_bytes
+        out = stats.output_size_in_bytes + stats.host_output_size_in_bytes
+        return args, ins, out - outs
 
     print(
         f"\n# optimizer state placement: Adam, MLP {layers} x {width} (parameters "
@@ -923,7 +937,8 @@ def optimizer_rows(args: argparse.Namespace) -> None:
         else:
             print(f"  {name}: ps.function {ours}\n  {'':{len(name)}}  jax.jit     {theirs}")
     print(
-        "per device; args: memory_analysis().argument_size_in_bytes, host: those in "
+        "per device; args: memory_analysis()'s argument_size_in_bytes + "
+        "host_argument_size_in_bytes, host: those in "
         "pinned_host (S(5)), device: args - host (jax.jit: the hand-written step's), out dev: "
         "outputs on the device; ms: blocking step, median"
     )

@@ -1,14 +1,17 @@
 """The transformer LM training step: ``ps.function`` + ``ps.nn`` against hand-written JAX.
 
 Run: ``python benchmarks/transformer.py`` (``--quick`` for a short run, ``--config gpu``
-for a compute-bound model on an accelerator).
+for a compute-bound model on an accelerator, ``--unrolled`` for the example's blocks in a
+Python list instead of its default ``ps.nn.Repeat``).
 
 Rows, all measured in one run, variants taking turns within each repeat (medians of
 ``--repeats`` repeats of ``--steps`` steps, blocking on the last loss of each repeat):
 
 * ``jax.jit`` (reference): the same model (examples/transformer.py) written by hand in pure
   JAX over a params pytree, the same optax chain, ``donate_argnums`` on params and state,
-  dropout keys passed in; same initial weights and data.
+  dropout keys passed in; same initial weights and data. Its blocks are stacked and applied
+  by one ``lax.scan`` where the example stacks them in a ``ps.nn.Repeat``, a Python loop
+  over per-block weights with ``--unrolled``.
 * ``ps.function``: ``examples/transformer.py``'s own step (ps.nn model, ``ps.Optimizer``).
 * fused rows: K steps in one call, by ``jax.lax.scan`` (hand-written, and the example's
   ``ps.function`` whose scan body calls ``opt.apply_gradients``); tokens/s.
@@ -50,39 +53,45 @@ CONFIGS = {
 
 
 def params_of(model: Any) -> dict[str, Any]:
-    """The ps model's weights as a plain pytree (copies: the reference donates them)."""
+    """The ps model's weights as a plain pytree (copies: the reference donates them). The
+    blocks, when the model stacks them in a ``ps.nn.Repeat`` (the example's default), are one
+    dict of stacked arrays (a leading axis of ``layers``, the Repeat's own names, e.g.
+    ``"mlp_in/kernel"``), which the reference applies with one ``lax.scan`` as the Repeat
+    does; with ``unrolled=True`` a list of per-block dicts under the same names, applied by a
+    Python loop."""
 
     def c(v: ps.Variable) -> jax.Array:
         return jnp.array(v.value(), copy=True)
 
-    def dense(d: Any) -> dict[str, jax.Array]:
-        return {"kernel": c(d.kernel), "bias": c(d.bias)}
-
     def ln(n: Any) -> dict[str, jax.Array]:
         return {"gamma": c(n.gamma), "beta": c(n.beta)}
 
+    def block(b: Any) -> dict[str, jax.Array]:
+        out = {f"attn/weights/{'/'.join(v.name.split('/')[-2:])}": c(v) for v in b.attn.weights}
+        for layer in ("ln1", "ln2"):
+            out |= {f"{layer}/{k}": v for k, v in ln(getattr(b, layer)).items()}
+        for layer in ("mlp_in", "mlp_out"):
+            out |= {f"{layer}/{k}": c(getattr(getattr(b, layer), k)) for k in ("kernel", "bias")}
+        return out
+
+    blocks = model.blocks
     return {
         "tokens": c(model.tokens.embeddings),
         "positions": c(model.positions.embeddings),
-        "blocks": [
-            {
-                "ln1": ln(b.ln1),
-                "attn": {"/".join(v.name.split("/")[-2:]): c(v) for v in b.attn.weights},
-                "ln2": ln(b.ln2),
-                "mlp_in": dense(b.mlp_in),
-                "mlp_out": dense(b.mlp_out),
-            }
-            for b in model.blocks
-        ],
+        "blocks": (
+            {name: c(v) for name, v in blocks.stacked.items()}
+            if isinstance(blocks, ps.nn.Repeat)
+            else [block(b) for b in blocks]
+        ),
         "ln": ln(model.ln),
-        "head": dense(model.head),
+        "head": {"kernel": c(model.head.kernel), "bias": c(model.head.bias)},
     }
 
 
-def _ln(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+def _ln(gamma: jax.Array, beta: jax.Array, x: jax.Array) -> jax.Array:
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-3) * p["gamma"] + p["beta"]
+    return (x - mean) * jax.lax.rsqrt(var + 1e-3) * gamma + beta
 
 
 def _drop(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
@@ -104,17 +113,30 @@ def _attn(w: dict[str, jax.Array], x: jax.Array, key_dim: int) -> jax.Array:
     )
 
 
+def _block(b: dict[str, jax.Array], x: jax.Array, keys: jax.Array, cfg: Any) -> jax.Array:
+    """One pre-norm block; ``keys``: its two dropout keys."""
+    attn = {k.removeprefix("attn/weights/"): v for k, v in b.items() if k.startswith("attn/")}
+    h = _ln(b["ln1/gamma"], b["ln1/beta"], x)
+    x = x + _drop(keys[0], _attn(attn, h, cfg.d_model // cfg.heads), cfg.dropout)
+    h = jax.nn.gelu(_ln(b["ln2/gamma"], b["ln2/beta"], x) @ b["mlp_in/kernel"] + b["mlp_in/bias"])
+    h = h @ b["mlp_out/kernel"] + b["mlp_out/bias"]
+    return x + _drop(keys[1], h, cfg.dropout)
+
+
 def forward(params: Any, ids: jax.Array, key: jax.Array, cfg: Any) -> jax.Array:
-    keys = iter(jax.random.split(key, 1 + 2 * cfg.layers))
+    first, rest = jax.random.split(key)
+    block_keys = jax.random.split(rest, (cfg.layers, 2))
     x = params["tokens"][ids] + params["positions"][jnp.arange(ids.shape[-1])]
-    x = _drop(next(keys), x, cfg.dropout)
-    for b in params["blocks"]:
-        h = _ln(b["ln1"], x)
-        x = x + _drop(next(keys), _attn(b["attn"], h, cfg.d_model // cfg.heads), cfg.dropout)
-        h = jax.nn.gelu(_ln(b["ln2"], x) @ b["mlp_in"]["kernel"] + b["mlp_in"]["bias"])
-        h = h @ b["mlp_out"]["kernel"] + b["mlp_out"]["bias"]
-        x = x + _drop(next(keys), h, cfg.dropout)
-    x = _ln(params["ln"], x)
+    x = _drop(first, x, cfg.dropout)
+    blocks = params["blocks"]
+    if isinstance(blocks, list):  # unrolled: each block traced and compiled on its own
+        for b, keys in zip(blocks, block_keys):
+            x = _block(b, x, keys, cfg)
+    else:  # stacked: one lax.scan over the blocks' leading axis, as ps.nn.Repeat
+        x, _ = jax.lax.scan(
+            lambda x, bk: (_block(bk[0], x, bk[1], cfg), None), x, (blocks, block_keys)
+        )
+    x = _ln(params["ln"]["gamma"], params["ln"]["beta"], x)
     return x @ params["head"]["kernel"] + params["head"]["bias"]
 
 
@@ -204,12 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--fuse", type=int, default=20, help="K, steps per fused call")
     parser.add_argument("--quick", action="store_true", help="--steps 10 --repeats 3 --fuse 5")
+    parser.add_argument(
+        "--unrolled", action="store_true", help="blocks in a Python list, not ps.nn.Repeat"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats, args.fuse = 10, 3, 5
     k = args.fuse
     steps = max(k, args.steps // k * k)
-    cfg = ex.Config(**CONFIGS[args.config], dropout=0.1)
+    cfg = ex.Config(**CONFIGS[args.config], dropout=0.1, unrolled=args.unrolled)
     ps.random.set_seed(0)
     tokens = ex.load_corpus(0.5)
     data = ex.batches(tokens, cfg.batch_size, cfg.seq_len, np.random.default_rng(0), k)
@@ -227,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = statistics.median(times["jax.jit, donated (reference)"])
     print(
         f"transformer LM ({args.config}: batch {cfg.batch_size}, seq {cfg.seq_len}, "
-        f"d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers); "
+        f"d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers "
+        f"{'in a Python list' if cfg.unrolled else 'in a ps.nn.Repeat (lax.scan)'}); "
         f"median of {args.repeats} x {steps} steps; jax {jax.__version__} on "
         f"{jax.devices()[0].device_kind}"
     )

@@ -15,8 +15,9 @@ step and a ``ps.Optimizer``. Only *placement* says how it runs on several device
 ``jax.jit`` (under ``ps.function``) then compiles one SPMD program: each device computes
 the gradient of its part of the batch, XLA inserts the all-reduce, and every assigned
 variable (parameters and Adam's state) comes back with its own sharding, in place.
-On CPU the devices are forced with ``XLA_FLAGS=--xla_force_host_platform_device_count``;
-on a machine with several GPUs, pass ``--devices 0`` to use the real ones.
+``--devices N`` (8 by default) runs on N CPU devices, forced with
+``XLA_FLAGS=--xla_force_host_platform_device_count`` and ``JAX_PLATFORMS=cpu`` (so also on a
+machine with a GPU); on a machine with several GPUs, pass ``--devices 0`` to use the real ones.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import sys
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="CPU devices to force (0: as is)")
+    parser.add_argument(
+        "--devices", type=int, default=8, help="CPU devices to force (0: JAX's default devices)"
+    )
     parser.add_argument("--tensor", type=int, default=1, help="size of the 'model' mesh axis")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=256)
@@ -38,6 +41,7 @@ def main() -> None:
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={args.devices}"
         )
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the forced devices, even where a GPU is
 
     import jax
     import jax.numpy as jnp

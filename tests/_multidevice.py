@@ -4,7 +4,8 @@ A test file defines ``CHECKS = {name: fn}`` and, under ``if __name__ == "__main_
 ``run_checks(CHECKS, sys.argv[1])``; its session fixture returns
 ``session_results(tmp_path_factory, __file__, "stem")``, and one parametrized test per check
 reads its result. The subprocess gets 8 forced CPU devices (the file sets ``XLA_FLAGS`` before
-importing JAX) and this checkout's paramstore.
+importing JAX; ``JAX_PLATFORMS=cpu`` here, so also where a GPU is the default backend and
+whatever platform the parent was told to use) and this checkout's paramstore.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def session_results(tmp_path_factory: Any, test_file: str, stem: str) -> dict[st
                 ]
                 if flags:
                     env["XLA_FLAGS"] = " ".join(flags)
+                env["JAX_PLATFORMS"] = "cpu"  # the forced devices are CPU devices
                 # this checkout's paramstore, not the one the environment has installed
                 # (and the tests' shared helpers, which the test file imports as a script too)
                 tests_dir = Path(__file__).resolve().parent

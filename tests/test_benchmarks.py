@@ -39,6 +39,17 @@ def test_step_benchmark_prints_ratios_to_the_reference():
 
 
 @pytest.mark.slow
+def test_transformer_benchmark_runs_the_repeat_and_the_unrolled_model():
+    """Both block layouts of examples/transformer.py: its default ``ps.nn.Repeat`` (the
+    reference's params_of once iterated it as a list: TypeError, every --config) and
+    ``--unrolled``."""
+    for extra in ((), ("--unrolled",)):
+        out = run("transformer.py", "--config", "tiny", "--quick", *extra)
+        assert "| jax.jit, donated (reference)" in out and "| ps.function + ps.nn" in out, out
+        assert ("in a Python list" if extra else "in a ps.nn.Repeat (lax.scan)") in out, out
+
+
+@pytest.mark.slow
 def test_depth_benchmark_prints_the_targets():
     root = str(BENCH.parent)
     done = subprocess.run(

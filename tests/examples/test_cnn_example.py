@@ -1,5 +1,11 @@
 """examples/cnn.py: trains, checkpoints every epoch, and a run killed after epoch 1 then resumed
-ends exactly where an uninterrupted run does (weights, optimizer, generator, history)."""
+ends exactly where an uninterrupted run does (weights, optimizer, generator, history).
+
+"Exactly": bit for bit on CPU. XLA:GPU does not promise one process's training run the bits of
+another's (its autotuner times and picks each convolution's algorithm in each process;
+measured on an H200: 6 of the 8 history values 2.2e-3 apart), so there the floating-point
+state agrees to 2% of each array's largest value and the integer state (epoch, step
+counts, the generator) exactly (``_backends``)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _backends import assert_same_numbers
 from _examples import load_example
 
 import paramstore as ps
@@ -69,7 +76,8 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, capsys):
     want, got = _contents(straight), _contents(resumed)
     assert want.keys() == got.keys()
     assert any("generator" in k for k in want) and any("optimizer" in k for k in want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for name in want:  # bit-equal on CPU; elsewhere see the module's docstring
+        scale = float(np.abs(want[name]).max()) if want[name].dtype.kind == "f" else 0.0
+        assert_same_numbers(got[name], want[name], rtol=2e-2, atol=2e-2 * scale, err_msg=name)
     history = want["history"]
     assert history.shape == (2, 4) and (history[:, 1] > 0.1).all()  # accuracy above chance

@@ -291,14 +291,14 @@ def test_unknown_memory_kind_is_a_clear_error():
 
 
 def test_memory_kind_the_backend_lacks_is_a_clear_error(monkeypatch):
-    # XLA:CPU has all three kinds; a backend with device memory only (as some have) is
-    # what _placement.memory_kinds reports here
+    # XLA:CPU and XLA:GPU have all three kinds; a backend with device memory only (as some
+    # have) is what _placement.memory_kinds reports here. The message names the platform.
     monkeypatch.setattr(_placement, "memory_kinds", lambda device: ["device"])
     assert_nothing_created(
         lambda m: ps.Optimizer(optax.adam(0.1), m, slot_memory_kind=HOST),
         ValueError,
         "'pinned_host'",
-        "not a memory of the variable's cpu devices",
+        f"not a memory of the variable's {jax.devices()[0].platform} devices",
         "variable 'dense/b'",
         "'device'",
     )

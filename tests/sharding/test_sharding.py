@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _backends import device_names
 from _bounded import BOUND
 from _multidevice import multi_device_tests, run_checks
 from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
@@ -97,7 +98,8 @@ def test_placement_kept_by_assigns_on_one_device():
 
 
 def test_unknown_device_is_a_clear_error_and_creates_nothing(fresh_store):
-    message = r"No device 'cpu:99' exists here; the devices are: cpu:0"
+    # the devices listed are the default backend's: cpu:0 here, gpu:0 on one GPU
+    message = rf"No device 'cpu:99' exists here; the devices are: {device_names()}\.$"
     with pytest.raises(ValueError, match=message), ps.device("cpu:99"):
         ps.Variable(1.0, name="never")
     with pytest.raises(ValueError, match=r"No device 'warp:0'"):
