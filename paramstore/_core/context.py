@@ -72,17 +72,25 @@ class _TraceEpoch:
     the epoch and, when it has moved, checks the flags and shardings of the variables it
     captured: the trace is redone where one it saw changed (freezing between calls takes
     effect; a step compiled before a reshard does not write its variables back on their old
-    shardings)."""
+    shardings). ``restructure()`` also moves ``structure``: a change to what a layer
+    computes with the same variables (``enable_lora``, ``merge_lora``), after which every
+    trace is redone on its next call."""
 
-    __slots__ = ("epoch", "_count")
+    __slots__ = ("epoch", "_count", "structure")
 
     def __init__(self) -> None:
         self._count = itertools.count(1)
         self.epoch = 0
+        self.structure = 0
 
     def bump(self) -> None:
         # next() on a count is atomic: threads bumping at once each get a new value
         self.epoch = next(self._count)
+
+    def restructure(self) -> None:
+        """A layer now computes differently (LoRA enabled or merged): every trace is stale."""
+        self.structure = next(self._count)
+        self.bump()
 
 
 TRACE_EPOCH = _TraceEpoch()
