@@ -39,7 +39,7 @@ import argparse  # noqa: E402
 import ctypes  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
-import importlib.util  # noqa: E402
+import importlib  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -163,14 +163,12 @@ def checkpoint_rows(args: argparse.Namespace, work: str) -> list[tuple[str, floa
     ]
 
 
-def _example() -> Any:
-    path = Path(__file__).resolve().parent.parent / "examples" / "gpt2.py"
-    spec = importlib.util.spec_from_file_location("gpt2_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def _example(name: str = "gpt2") -> Any:
+    """``examples.<name>`` (the examples are a package of the checkout)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"examples.{name}")
 
 
 def gpt2_rows(args: argparse.Namespace, work: str) -> list[tuple[str, float, str]]:

@@ -1,6 +1,6 @@
 """LoRA fine-tuning in bfloat16 with an EMA, checkpointed and resumable: the recipe that
-``examples/gpt2.py --lora`` and ``examples/transformer.py --lora`` share (imported by both;
-not a script of its own).
+``examples/gpt2.py --lora`` and ``examples/transformer.py --lora`` share (imported by both, and by
+``examples/llama.py``; not a script of its own: ``from examples import lora_recipe``).
 
 ``LoRATuner(model, loss, rank=..., where=...)`` on a built (pretrained) model:
 
@@ -11,6 +11,8 @@ not a script of its own).
   variables;
 * trains them with Adam in one ``ps.function`` step that also updates a
   ``ps.ExponentialMovingAverage`` of them (``num_updates=opt.iterations``, TF's warm-up);
+  ``slot_memory_kind="pinned_host"`` keeps Adam's slots in host memory (``ps.Optimizer``'s
+  ``slot_memory_kind``: moved to the device for each update, inside the step);
 * checkpoints model, optimizer and averages with ``ps.CheckpointManager`` over a
   ``ps.Checkpoint`` every ``save_every`` steps; ``resume()`` restores the newest (or a given)
   checkpoint, and ``train(batches)`` goes on from batch ``opt.iterations``, so an interrupted
@@ -73,6 +75,7 @@ class LoRATuner:
         ema_decay: float = 0.99,
         directory: str | os.PathLike[str] | None = None,
         max_to_keep: int | None = 3,
+        slot_memory_kind: str | None = None,
     ) -> None:
         self.model = model
         self.loss = loss
@@ -80,7 +83,9 @@ class LoRATuner:
             v.trainable = False
         self.layers = ps.nn.enable_lora(model, rank, where=where)
         self.lora = list(model.trainable_variables)  # the LoRA factors, nothing else
-        self.opt = ps.Optimizer(optax.adam(learning_rate), self.lora)
+        self.opt = ps.Optimizer(
+            optax.adam(learning_rate), self.lora, slot_memory_kind=slot_memory_kind
+        )
         self.ema = ps.ExponentialMovingAverage(ema_decay, num_updates=self.opt.iterations)
         self.ema.apply(self.lora)  # the shadows exist before a restore (a first update is a no-op)
         self.checkpoint = ps.Checkpoint(model=model, optimizer=self.opt, ema=self.ema)

@@ -14,7 +14,9 @@ Contract (docs/api.md, "Layers"):
   builds or changes nothing. A built layer given a shape it was not built for (its feature
   axis differs), by a call or by ``build``, raises the same way.
 * Reading a variable attribute (``layer.kernel``) before the layer is built raises an
-  ``AttributeError`` saying to call the layer or ``build`` it.
+  ``AttributeError`` saying to call the layer or ``build`` it; read inside the layer's own
+  ``__call__`` (a custom layer whose ``__call__`` does not start with
+  ``self.ensure_built(x.shape)``), the error says to add that line (or to define ``build``).
 * Subclasses override ``build(input_shape)`` (create the variables; the base wraps it with
   the scope, the lock and ``built``), ``check_shape(shape)`` and ``__call__``; they list
   their variable attributes in ``variable_names``.
@@ -33,8 +35,10 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, ClassVar, TypeVar, cast
 
 import jax
@@ -293,6 +297,21 @@ def keras_name(cls_name: str) -> str:
     return re.sub(r"(\d)_d\b", r"\1d", name)
 
 
+def _in_own_call(layer: Layer) -> bool:
+    """Whether ``layer``'s own ``__call__`` is running below this point (looked up only on
+    the error path, a few frames deep)."""
+    call = getattr(type(layer).__call__, "__wrapped__", type(layer).__call__)
+    code = getattr(call, "__code__", None)
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code is code and frame.f_locals.get("self") is layer:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class Layer(Module):
     """A module that builds its variables once, from its first input's shape (see the
     module docstring)."""
@@ -367,6 +386,22 @@ class Layer(Module):
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when ``name`` is not set: a variable of a layer not built yet.
+        built = self.__dict__.get("built", False)
+        if not built and not name.startswith("_") and _in_own_call(self):
+            # The user did call the layer: its __call__ read a variable without building.
+            cls = type(self).__name__
+            define = (
+                ""
+                if type(self).build is not Layer.build
+                else f" and define {cls}.build(input_shape) creating them with self.add_weight"
+            )
+            raise AttributeError(
+                f"{self.describe()} reads {name!r} in its __call__, but it is not built: "
+                "a layer's variables are created by build(input_shape), which runs when "
+                "__call__ first calls self.ensure_built(x.shape) (every ps.nn layer does; "
+                f"Keras calls build for you). Add self.ensure_built(x.shape) at the top of "
+                f"{cls}.__call__{define}."
+            )
         if name in type(self).variable_names and not self.__dict__.get("built", False):
             raise AttributeError(
                 f"{self.describe()} is not built yet, so it has no {name!r}: call the layer "
@@ -405,7 +440,11 @@ class Layer(Module):
             )
 
     def ensure_built(self, *shapes: Shape) -> None:
-        """Check the input shapes, then build from them or check them against the build."""
+        """Check the input shapes, then build from them (``build(*shapes)``, once) or check
+        them against the build. A layer's ``__call__`` starts with it, e.g.
+        ``self.ensure_built(tuple(x.shape))``: a custom ``ps.nn.Layer`` must call it too
+        before it reads its variables (Keras' ``__call__`` builds for you; here this line
+        does)."""
         if self.__dict__.get("built", False):
             self.check_shape(*shapes)
             self.check_built(*shapes)

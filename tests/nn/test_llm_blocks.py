@@ -273,3 +273,44 @@ def test_group_query_attention_bad_inputs():
     layer(rand(2, 4, 8), rand(2, 4, 8))
     with pytest.raises(ValueError, match="was built for query, key and value feature sizes"):
         layer(rand(2, 4, 6), rand(2, 4, 6))
+
+
+# ------------------------------------------------------------------ custom layers
+
+
+class _Scale(ps.nn.Layer):
+    variable_names = ("w",)
+
+    def build(self, input_shape):
+        self.w = self.add_weight("w", (input_shape[-1],), ps.initializers.ones())
+
+    def __call__(self, x):  # forgets self.ensure_built(x.shape)
+        return x * self.w.value()
+
+
+class _NoBuild(ps.nn.Layer):
+    def __call__(self, x):
+        return x * self.w
+
+
+def test_a_custom_layer_that_forgets_to_build_says_what_to_add():
+    # Regression: the error said "call the layer on an input", which the user had done.
+    layer = _Scale()
+    with pytest.raises(AttributeError, match=r"_Scale '__scale' reads 'w' in its __call__") as e:
+        layer(rand(2, 3))
+    assert "self.ensure_built(x.shape) at the top of _Scale.__call__" in str(e.value)
+    assert "call the layer on an input" not in str(e.value)
+    assert not layer.built and layer.variables == ()
+    with pytest.raises(AttributeError, match=r"define _NoBuild.build\(input_shape\)"):
+        _NoBuild()(rand(2, 3))
+    # read from outside, before any call: the usual advice
+    with pytest.raises(AttributeError, match="call the layer on an input"):
+        _Scale().w  # noqa: B018
+    # with the line added, it builds on the first call
+    fixed = type(
+        "Fixed",
+        (_Scale,),
+        {"__call__": lambda self, x: (self.ensure_built(x.shape), x * self.w.value())[1]},
+    )()
+    np.testing.assert_array_equal(np.asarray(fixed(np.ones((2, 3), np.float32))), 1.0)
+    assert fixed.built
