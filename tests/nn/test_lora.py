@@ -245,7 +245,9 @@ def test_enable_lora_over_modules_bad_input_changes_nothing():
         ps.nn.enable_lora(model, 2, where="attn_in")
     model(IDS)
     before = snapshot(model)
-    with pytest.raises(ValueError, match=r"no Dense, Embedding or attention projection .* where='nothing'.*head"):
+    with pytest.raises(
+        ValueError, match=r"no Dense, Embedding or attention projection .* where='nothing'.*head"
+    ):
         ps.nn.enable_lora(model, 2, where="nothing")
     with pytest.raises(TypeError, match=r"where must be a regular expression"):
         ps.nn.enable_lora(model, 2, where=ps.nn.Dense)  # type: ignore[arg-type]
