@@ -206,6 +206,10 @@ def _parse_pattern(pattern: str) -> _Pattern:
     problem: str | None = None
     literal: list[str] = []
     i, number = 0, 0
+    if pattern.startswith("^"):  # anchors change nothing in a full match
+        i = 1
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":

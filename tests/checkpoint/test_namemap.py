@@ -193,6 +193,10 @@ def test_ambiguous_and_group_checked_ways_back():
     digits = ps.checkpoint.NameMap([(r"h\.(\d+)\.w", r"m/w[\1]")])
     assert digits.checkpoint_name("m/w[12]") == "h.12.w"
     assert digits.checkpoint_name("m/w[x]") is None
+    # anchors change nothing in a full match; an escaped "$" is literal text
+    anchored = ps.checkpoint.NameMap([(r"^h\.(\d+)\.w$", r"m/w[\1]"), (r"a\$", "b")])
+    assert anchored.checkpoint_name("m/w[3]") == "h.3.w"
+    assert anchored.checkpoint_name("b") == "a$"
 
 
 def test_bad_rules_raise_when_made():
