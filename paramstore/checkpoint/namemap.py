@@ -39,11 +39,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from paramstore.variable import Variable
 
 __all__ = ["NameMap", "Transform", "transpose", "split", "chain", "Exported"]
 
+Values = ArrayLike | tuple[ArrayLike, ...]
+"""A checkpoint or variable value: an array, or a tuple of arrays for a tuple target."""
 Fn = Callable[[Any], Any]
 
 
@@ -69,13 +72,15 @@ class Transform:
             )
         self._forward, self._inverse = forward, inverse
 
-    def forward(self, value: Any) -> Any:
+    def forward(self, value: Values) -> Values:
         """The variable value(s) for checkpoint value ``value``."""
-        return self._forward(value)
+        out: Values = self._forward(value)
+        return out
 
-    def inverse(self, value: Any) -> Any:
+    def inverse(self, value: Values) -> Values:
         """The checkpoint value for variable value(s) ``value``."""
-        return self._inverse(value)
+        out: Values = self._inverse(value)
+        return out
 
     def __repr__(self) -> str:
         return f"Transform({self._forward!r}, {self._inverse!r})"
@@ -432,7 +437,12 @@ class NameMap:
         if not r.is_tuple:
             return t.forward
         j = [m.expand(x) for x in r.targets].index(variable_name)
-        return lambda value: t.forward(value)[j]
+
+        def part(value: Any) -> Any:
+            parts: Any = t.forward(value)
+            return parts[j]
+
+        return part
 
     # ---------------------------------------------------------------- the way back
     def _reverse(self, variable_name: str) -> tuple[_Rule, int, str] | None:
