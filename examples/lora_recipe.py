@@ -6,9 +6,9 @@
 
 * freezes every variable of the model (``v.trainable = False``: the pretrained weights keep
   their values, bit for bit), then ``ps.nn.enable_lora(model, rank, where=...)`` adds the
-  trainable ``lora_kernel_a``/``lora_kernel_b`` to each matching ``Dense`` (those of a
-  ``ps.nn.Repeat``'s blocks are stacked, ``(n, in, rank)``): they are the only trainable
-  variables;
+  trainable ``lora_kernel_a``/``lora_kernel_b`` to each matching ``Dense`` or attention
+  projection (those of a ``ps.nn.Repeat``'s blocks are stacked, ``(n, in, rank)``): they are
+  the only trainable variables; ``merge_lora`` at the end leaves the kernels frozen;
 * trains them with Adam in one ``ps.function`` step that also updates a
   ``ps.ExponentialMovingAverage`` of them (``num_updates=opt.iterations``, TF's warm-up);
   ``slot_memory_kind="pinned_host"`` keeps Adam's slots in host memory (``ps.Optimizer``'s
