@@ -63,9 +63,10 @@ from paramstore.checkpoint.formats.huggingface import export as _export
 from paramstore.checkpoint.formats.safetensors.file import write_arrays
 from paramstore.checkpoint.formats.safetensors.format import FORMAT_VERSION
 from paramstore.checkpoint.manager import CheckpointManager
-from paramstore.checkpoint.namemap import NameMap, Transform, chain, split, transpose
+from paramstore.checkpoint.namemap import NameMap
 from paramstore.checkpoint.readers import open_reader, opened
 from paramstore.checkpoint.saver import Saver
+from paramstore.checkpoint.transforms import Transform, chain, split, transpose
 from paramstore.checkpoint.warm_start import init_from_checkpoint
 from paramstore.typing import VariablesLike
 
