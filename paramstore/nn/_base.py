@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 import threading
 from collections.abc import Callable
-from types import FrameType
 from typing import Any, ClassVar, TypeVar, cast
 
 import jax
@@ -52,6 +50,7 @@ from paramstore import mixed_precision as _mp
 from paramstore import regularizers as _regularizers
 from paramstore._core.layout import Partition
 from paramstore.module import Module
+from paramstore.nn._advice import read_in_own_call
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
 from paramstore.variable import Variable
 
@@ -297,21 +296,6 @@ def keras_name(cls_name: str) -> str:
     return re.sub(r"(\d)_d\b", r"\1d", name)
 
 
-def _in_own_call(layer: Layer) -> bool:
-    """Whether ``layer``'s own ``__call__`` is running below this point (looked up only on
-    the error path, a few frames deep)."""
-    call = getattr(type(layer).__call__, "__wrapped__", type(layer).__call__)
-    code = getattr(call, "__code__", None)
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return False
-        if frame.f_code is code and frame.f_locals.get("self") is layer:
-            return True
-        frame = frame.f_back
-    return False
-
-
 class Layer(Module):
     """A module that builds its variables once, from its first input's shape (see the
     module docstring)."""
@@ -386,22 +370,10 @@ class Layer(Module):
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when ``name`` is not set: a variable of a layer not built yet.
-        built = self.__dict__.get("built", False)
-        if not built and not name.startswith("_") and _in_own_call(self):
-            # The user did call the layer: its __call__ read a variable without building.
-            cls = type(self).__name__
-            define = (
-                ""
-                if type(self).build is not Layer.build
-                else f" and define {cls}.build(input_shape) creating them with self.add_weight"
-            )
-            raise AttributeError(
-                f"{self.describe()} reads {name!r} in its __call__, but it is not built: "
-                "a layer's variables are created by build(input_shape), which runs when "
-                "__call__ first calls self.ensure_built(x.shape) (every ps.nn layer does; "
-                f"Keras calls build for you). Add self.ensure_built(x.shape) at the top of "
-                f"{cls}.__call__{define}."
-            )
+        if not self.__dict__.get("built", False) and not name.startswith("_"):
+            advice = read_in_own_call(self, name, type(self).build is not Layer.build)
+            if advice is not None:  # the user did call it: its __call__ never built it
+                raise AttributeError(advice)
         if name in type(self).variable_names and not self.__dict__.get("built", False):
             raise AttributeError(
                 f"{self.describe()} is not built yet, so it has no {name!r}: call the layer "
