@@ -384,6 +384,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"LoRA rank {args.rank} on {len(tuner.layers)} layers (mixed_bfloat16), "
                 "losses: " + " ".join(f"{x:.3f}" for x in losses)
             )
+            lengths_seen = len({len(b[0][0]) for b in batches})
+            print(
+                f"the step compiled {tuner.step.trace_count} times for {len(batches)} batches "
+                f"({len(set(lengths[: len(batches)]))} lengths, {lengths_seen} buckets)"
+            )
             tuner.finalize()  # the averages merged into the float32 kernels
             out = args.out or os.path.join(work, "tuned")
             os.makedirs(out, exist_ok=True)

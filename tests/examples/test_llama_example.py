@@ -57,6 +57,7 @@ def test_main_lora_in_bfloat16_and_export_back(ex, hf_dir, tmp_path, capsys):
     diffs = [float(x) for x in re.findall(r"logits max abs diff vs transformers: (\S+)", printed)]
     assert len(diffs) == 2 and max(diffs) <= 1e-4, printed
     assert "bucketed lengths: [16, 32]" in printed
+    assert "the step compiled 2 times for 3 batches (3 lengths, 2 buckets)" in printed
     assert "on 7 layers (mixed_bfloat16)" in printed  # 4 attention projections + 3 MLP Dense
     # the export differs from the pretrained model: the LoRA update was merged and written
     assert np.abs(run["exported_reference"] - run["reference"]).max() > 1e-4
