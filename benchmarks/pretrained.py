@@ -24,6 +24,14 @@ after one untimed warm-up (page cache warm, programs compiled).
   ``--gpt2-width``): load + first logits through the example (build abstract,
   ``init_from_checkpoint``, compile and run the forward pass) against
   ``GPT2LMHeadModel.from_pretrained`` + its first logits, on the same directory.
+* Llama (``examples/llama.py``; a random ``LlamaForCausalLM`` written by ``transformers``,
+  ``--llama-layers`` x ``--llama-width``, grouped-query attention, rotary embeddings): load +
+  first logits through the example against ``LlamaForCausalLM.from_pretrained`` + its first
+  logits; and a full fine-tuning step (Adam, float32, masked next-token loss, ``--llama-batch``
+  x ``--llama-seq`` tokens) of the example's model in a ``ps.function`` against the same
+  model written by hand in JAX (a params pytree, ``lax.scan`` over the layers, ``jax.jit``
+  with donation), both started from the same weights (their first losses printed).
+  Target: step time <= 1.05x the hand-written one.
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
-import importlib.util  # noqa: E402
+import importlib  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -163,14 +172,12 @@ def checkpoint_rows(args: argparse.Namespace, work: str) -> list[tuple[str, floa
     ]
 
 
-def _example() -> Any:
-    path = Path(__file__).resolve().parent.parent / "examples" / "gpt2.py"
-    spec = importlib.util.spec_from_file_location("gpt2_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def _example(name: str = "gpt2") -> Any:
+    """``examples.<name>`` (the examples are a package of the checkout)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"examples.{name}")
 
 
 def gpt2_rows(args: argparse.Namespace, work: str) -> list[tuple[str, float, str]]:
@@ -227,6 +234,174 @@ def gpt2_rows(args: argparse.Namespace, work: str) -> list[tuple[str, float, str
     ]
 
 
+def _llama_by_hand(c: Any, model: Any) -> tuple[Any, Callable[..., Any]]:
+    """``(params, loss(params, ids, mask))``: the example's Llama written by hand in JAX,
+    its parameters taken from ``model`` (the same values)."""
+    import jax.numpy as jnp
+    import optax
+
+    st = model.layers.stacked
+    w = "attn/weights/"
+    params = {
+        "embed": model.embed_tokens.embeddings.value(),
+        "norm": model.norm.scale.value(),
+        "head": model.lm_head.kernel.value(),
+        "layers": {
+            "ln1": st["input_layernorm/scale"].value(),
+            "ln2": st["post_attention_layernorm/scale"].value(),
+            "q": st[w + "query/kernel"].value(),
+            "k": st[w + "key/kernel"].value(),
+            "v": st[w + "value/kernel"].value(),
+            "o": st[w + "attention_output/kernel"].value(),
+            "gate": st["gate/kernel"].value(),
+            "up": st["up/kernel"].value(),
+            "down": st["down/kernel"].value(),
+        },
+    }
+    params = jax.tree.map(jnp.array, params)  # copies: the step donates its own
+    eps, hd, r = c.rms_norm_eps, c.head_dim, c.num_attention_heads // c.num_key_value_heads
+
+    def rms(x: Any, scale: Any) -> Any:
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+    def rope(x: Any) -> Any:
+        t = x.shape[1]
+        inv = 1.0 / (c.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+        ang = jnp.outer(jnp.arange(t, dtype=jnp.float32), inv)
+        ang = jnp.concatenate([ang, ang], -1)[None, :, None, :]
+        x1, x2 = jnp.split(x, 2, -1)
+        return x * jnp.cos(ang) + jnp.concatenate([-x2, x1], -1) * jnp.sin(ang)
+
+    def block(x: Any, p: Any) -> tuple[Any, None]:
+        h = rms(x, p["ln1"])
+        q = rope(jnp.einsum("btd,dhk->bthk", h, p["q"]))
+        k = jnp.repeat(rope(jnp.einsum("btd,dhk->bthk", h, p["k"])), r, axis=2)
+        v = jnp.repeat(jnp.einsum("btd,dhk->bthk", h, p["v"]), r, axis=2)
+        logits = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(hd)
+        t = x.shape[1]
+        logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+        out = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(logits, -1), v)
+        x = x + jnp.einsum("bthk,hkd->btd", out, p["o"])
+        h = rms(x, p["ln2"])
+        return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"], None
+
+    def loss(params: Any, ids: Any, mask: Any) -> Any:
+        x = params["embed"][ids[:, :-1]]
+        x, _ = jax.lax.scan(block, x, params["layers"])
+        logits = rms(x, params["norm"]) @ params["head"]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+        return jnp.sum(ce * mask[:, 1:]) / jnp.maximum(jnp.sum(mask[:, 1:]), 1.0)
+
+    return params, loss
+
+
+def llama_rows(args: argparse.Namespace, work: str) -> list[tuple[str, float, str]]:
+    import jax.numpy as jnp
+    import optax
+    import torch  # the oracle, only for these rows
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    ex = _example("llama")
+    model_dir = os.path.join(work, "llama")
+    torch.manual_seed(0)
+    width = args.llama_width
+    heads = max(2, width // 64)
+    config = LlamaConfig(
+        vocab_size=args.llama_vocab,
+        hidden_size=width,
+        intermediate_size=width * 8 // 3 // 16 * 16,
+        num_hidden_layers=args.llama_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=max(256, args.llama_seq),
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
+    print(
+        f"Llama: {args.llama_layers} layers, width {width}, {heads} query / {heads // 2} "
+        f"key-value heads, vocab {args.llama_vocab}, {size / MiB:.0f} MiB"
+    )
+    ids = np.random.default_rng(0).integers(3, args.llama_vocab, (1, 16))
+
+    loads: list[float] = []
+
+    def ours() -> Any:
+        with ps.VariableStore():
+            t0 = time.perf_counter()
+            model, _ = ex.load(model_dir, seq_len=16)
+            loads.append(time.perf_counter() - t0)
+            return np.asarray(model(jnp.asarray(ids)))
+
+    def theirs() -> Any:
+        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return hf(torch.as_tensor(ids)).logits.numpy()
+
+    diff = float(np.abs(ours() - theirs()).max())
+    t_hf, _ = _measure(theirs, args.runs, 0)
+    loads.clear()
+    t_ps, _ = _measure(ours, args.runs, 0)
+    t_load = statistics.median(loads[1:])
+
+    # one full fine-tuning step: ps.function over the example's model vs by hand in JAX
+    rng = np.random.default_rng(1)
+    batch = jnp.asarray(rng.integers(3, args.llama_vocab, (args.llama_batch, args.llama_seq)))
+    mask = jnp.ones(batch.shape, jnp.float32)
+    with ps.VariableStore():
+        model, _ = ex.load(model_dir, seq_len=args.llama_seq)
+        params, loss = _llama_by_hand(model.config, model)
+        opt = ps.Optimizer(optax.adam(1e-4), model)
+
+        @ps.function
+        def step(ids: Any, m: Any) -> Any:
+            value, grads = ps.value_and_grad(lambda: ex.lm_loss(model, ids, m), model)()
+            opt.apply_gradients(grads)
+            return value
+
+        tx = optax.adam(1e-4)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def by_hand(p: Any, s: Any, ids: Any, m: Any) -> Any:
+            value, grads = jax.value_and_grad(loss)(p, ids, m)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+
+        state = tx.init(params)
+        first_ps = float(step(batch, mask))
+        params, state, first_jax = by_hand(params, state, batch, mask)
+        for _ in range(2):  # warm: the outputs' placement may differ from the inputs' once
+            step(batch, mask).block_until_ready()
+            params, state, value = by_hand(params, state, batch, mask)
+            value.block_until_ready()
+        n = args.llama_steps
+        t_ps_step, t_jax_step = [], []
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                value = step(batch, mask)
+            value.block_until_ready()
+            t_ps_step.append((time.perf_counter() - t0) / n)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                params, state, value = by_hand(params, state, batch, mask)
+            value.block_until_ready()
+            t_jax_step.append((time.perf_counter() - t0) / n)
+    t_step, t_hand = statistics.median(t_ps_step), statistics.median(t_jax_step)
+    return [
+        ("transformers from_pretrained + logits [reference]", t_hf, ""),
+        ("examples/llama.py load + first logits", t_ps, f"max |diff| {diff:.1e}"),
+        ("  of which load (abstract build + init_from_ckpt)", t_load, ""),
+        ("  ratio to the reference", t_ps / t_hf, ""),
+        ("Llama step by hand in JAX [reference]", t_hand, f"first loss {float(first_jax):.5f}"),
+        ("Llama step, ps.function + ps.Optimizer", t_step, f"first loss {first_ps:.5f}"),
+        ("  ratio to the reference (target <= 1.05)", t_step / t_hand, ""),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 MiB and a tiny GPT-2")
@@ -237,10 +412,20 @@ def main() -> None:
     parser.add_argument("--gpt2-width", type=int, default=512)
     parser.add_argument("--gpt2-vocab", type=int, default=50257)
     parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--llama-layers", type=int, default=4)
+    parser.add_argument("--llama-width", type=int, default=256)
+    parser.add_argument("--llama-vocab", type=int, default=8192)
+    parser.add_argument("--llama-batch", type=int, default=4)
+    parser.add_argument("--llama-seq", type=int, default=128)
+    parser.add_argument("--llama-steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--only-llama", action="store_true", help="the Llama rows alone")
     args = parser.parse_args()
     if args.quick:
         args.gib, args.width, args.runs = 1 / 64, 512, 1
         args.gpt2_layers, args.gpt2_width, args.gpt2_vocab = 2, 64, 100
+        args.llama_layers, args.llama_width, args.llama_vocab = 2, 64, 128
+        args.llama_batch, args.llama_seq, args.llama_steps = 2, 16, 2
     print(
         f"# benchmarks/pretrained.py, {datetime.date.today()}, {platform.machine()} "
         f"{os.cpu_count()} CPUs, jax {jax.__version__}, {len(jax.devices())} devices, "
@@ -248,9 +433,11 @@ def main() -> None:
     )
     work = tempfile.mkdtemp()
     try:
-        rows = checkpoint_rows(args, work)
-        if not args.skip_gpt2:
+        rows = [] if args.only_llama else checkpoint_rows(args, work)
+        if not args.skip_gpt2 and not args.only_llama:
             rows += gpt2_rows(args, work)
+        if not args.skip_llama:
+            rows += llama_rows(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"| {'row':52} | {'seconds / ratio':>15} | {'extra peak RSS / largest tensor':>31} |")

@@ -20,7 +20,7 @@ Rows, all measured in one run, variants taking turns within each repeat (medians
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import math
 import statistics
 import sys
@@ -35,12 +35,10 @@ import optax
 
 import paramstore as ps
 
-_PATH = Path(__file__).resolve().parent.parent / "examples" / "transformer.py"
-_spec = importlib.util.spec_from_file_location("transformer_example", _PATH)
-assert _spec is not None and _spec.loader is not None
-ex = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = ex
-_spec.loader.exec_module(ex)
+_ROOT = str(Path(__file__).resolve().parent.parent)  # examples/ is a package of the checkout
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+ex = importlib.import_module("examples.transformer")
 
 CONFIGS = {
     "cpu": dict(batch_size=16, seq_len=64, d_model=64, heads=4, layers=2),

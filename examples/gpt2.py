@@ -8,29 +8,31 @@ and ``model.safetensors``, or shards with ``model.safetensors.index.json``: e.g.
 * the model written with ``ps.nn`` layers, its blocks stacked by ``ps.nn.Repeat`` (one
   ``lax.scan``), built abstract (``ps.abstract()``: nothing allocated);
 * ``ps.checkpoint.init_from_checkpoint`` alone filling every variable from the file's own
-  names: regex pairs map ``transformer.h.<i>.…`` to layer ``i`` of a stacked variable
-  (``…/kernel[<i>]``), a tuple replacement sends the fused ``c_attn`` matrix to the query,
-  key and value kernels, and ``transforms`` split and reshape it (HF's ``Conv1D`` weights
-  are ``(in, out)`` like ``ps.nn.Dense`` kernels, so the MLP needs no transpose);
+  names through one ``ps.checkpoint.NameMap`` (``hf_names``): its rules map
+  ``transformer.h.<i>.…`` to layer ``i`` of a stacked variable (``…/kernel[<i>]``), a tuple
+  target sends the fused ``c_attn`` matrix to the query, key and value kernels, split and
+  reshaped by the rule's reversible transform (HF's ``Conv1D`` weights are ``(in, out)``
+  like ``ps.nn.Dense`` kernels, so the MLP needs no transpose);
 * logits equal to ``transformers``' ``GPT2LMHeadModel`` (``compare_with_transformers``);
 * full fine-tuning for a few steps (``fine_tune``: a ``ps.function`` AdamW step);
 * ``--lora``: LoRA fine-tuning in bfloat16 (``lora_fine_tune``, the recipe of
   ``examples/lora_recipe.py``): the model built under the ``mixed_bfloat16`` policy
   (variables float32, compute bfloat16; no loss scaling, which only float16 needs), every
   pretrained variable frozen, ``ps.nn.enable_lora`` on the MLP ``Dense`` layers of the
-  ``Repeat``'s blocks (``c_fc``, ``c_proj``; ``ps.nn.MultiHeadAttention`` has no LoRA),
+  ``Repeat``'s blocks (``c_fc``, ``c_proj``) and on the attention's ``query`` and ``value``
+  projections,
   Adam and an EMA of the LoRA factors in one ``ps.function`` step, numbered checkpoints
   that a re-run resumes (``--checkpoint-dir``), evaluation under ``ema.swap``, then the
   averages merged into the float32 kernels (``ps.nn.merge_lora``) and exported;
 * ``--qlora``: QLoRA (``qlora_fine_tune``): the model built abstract under
-  ``mixed_bfloat16``, its blocks' MLP ``Dense`` kernels and attention projections quantized
-  to int8 (``ps.nn.quantize``) *before* loading, so ``init_from_checkpoint`` quantizes each
-  float tensor on the host on its way in (the fused ``c_attn`` split by its transforms
-  first); LoRA on the quantized MLP layers (``ps.nn.MultiHeadAttention`` takes no LoRA),
-  Adam's slots in host memory, an EMA; ``ps.plan``'s table of the step's memory printed
-  before training;
-* ``ps.checkpoint.export_safetensors`` back to Hugging Face's names and layout
-  (``export``), which ``GPT2LMHeadModel.from_pretrained`` loads.
+  ``mixed_bfloat16``, its blocks' MLP ``Dense`` kernels quantized to int8
+  (``ps.nn.quantize``) *before* loading, so ``init_from_checkpoint`` quantizes each float
+  tensor on the host on its way in; LoRA on the quantized MLP layers and on the attention's
+  query and value projections, Adam's slots in host memory, an EMA; ``ps.plan``'s table of
+  the step's memory printed before training;
+* ``ps.checkpoint.export_safetensors`` back to Hugging Face's names and layout with the same
+  map turned around (``export``: no hand-written inverse), which
+  ``GPT2LMHeadModel.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -54,9 +54,10 @@ import optax
 
 import paramstore as ps
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # the shared recipe, beside this file
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lora_recipe  # noqa: E402
+try:  # imported from the package: ``from examples import gpt2``, ``python -m examples.gpt2``
+    from examples import lora_recipe
+except ImportError:  # run as a script, ``python examples/gpt2.py``: its directory is on sys.path
+    import lora_recipe  # type: ignore[no-redef]
 
 # ---------------------------------------------------------------------- config
 
@@ -141,48 +142,60 @@ def build(c: Config, seq_len: int = 8, policy: str | None = None) -> GPT2:
 # -------------------------------------------------- Hugging Face names and values
 
 
-def hf_map(model: GPT2) -> list[tuple[str, Any]]:
-    """``init_from_checkpoint``'s regex pairs: Hugging Face name -> this model's variables
-    (``name[i]``: layer ``i`` of a stacked variable, ``i`` taken from the file's name)."""
+def hf_names(model: GPT2) -> ps.checkpoint.NameMap:
+    """Hugging Face name <-> this model's variables, one map for both directions
+    (``name[i]``: layer ``i`` of a stacked variable, ``i`` taken from the file's name; the
+    fused ``c_attn`` split into query, key and value on the way in, joined on the way out)."""
+    c = model.config
+    e, h = c.n_embd, c.n_head
+    d = e // h
     stacked = {path: v.name for path, v in model.h.stacked.items()}  # by attribute path
 
     def layer(path: str) -> str:
         return stacked[path] + r"[\1]"
 
-    h = r"transformer\.h\.(\d+)\."
+    def reshape(checkpoint: tuple[int, ...], variable: tuple[int, ...]) -> ps.checkpoint.Transform:
+        return ps.checkpoint.Transform(
+            lambda x: x.reshape(variable), lambda x: x.reshape(checkpoint)
+        )
+
+    blk = r"transformer\.h\.(\d+)\."
     qkv = ("query", "key", "value")
-    return [
-        (r"transformer\.wte\.weight", model.wte.embeddings.name),
-        (r"transformer\.wpe\.weight", model.wpe.embeddings.name),
-        (r"transformer\.ln_f\.weight", model.ln_f.gamma.name),
-        (r"transformer\.ln_f\.bias", model.ln_f.beta.name),
-        (h + r"ln_1\.weight", layer("ln_1/gamma")),
-        (h + r"ln_1\.bias", layer("ln_1/beta")),
-        (h + r"ln_2\.weight", layer("ln_2/gamma")),
-        (h + r"ln_2\.bias", layer("ln_2/beta")),
-        # one fused matrix into three variables, each split by its transform
-        (h + r"attn\.c_attn\.weight", tuple(layer(f"attn/weights/{p}/kernel") for p in qkv)),
-        (h + r"attn\.c_attn\.bias", tuple(layer(f"attn/weights/{p}/bias") for p in qkv)),
-        (h + r"attn\.c_proj\.weight", layer("attn/weights/attention_output/kernel")),
-        (h + r"attn\.c_proj\.bias", layer("attn/weights/attention_output/bias")),
-        (h + r"mlp\.c_fc\.weight", layer("c_fc/kernel")),  # Conv1D (in, out) = Dense kernel
-        (h + r"mlp\.c_fc\.bias", layer("c_fc/bias")),
-        (h + r"mlp\.c_proj\.weight", layer("c_proj/kernel")),
-        (h + r"mlp\.c_proj\.bias", layer("c_proj/bias")),
-    ]
-
-
-def hf_transforms(c: Config) -> dict[str, Callable[[Any], Any]]:
-    """Split the fused ``c_attn`` into query, key and value, heads made an axis."""
-    e, h = c.n_embd, c.n_head
-    d = e // h
-    out: dict[str, Callable[[Any], Any]] = {}
-    for i, part in enumerate(("query", "key", "value")):
-        sl = slice(i * e, (i + 1) * e)
-        out[f"/{part}/kernel"] = lambda w, sl=sl: w[:, sl].reshape(e, h, d)
-        out[f"/{part}/bias"] = lambda b, sl=sl: b[sl].reshape(h, d)
-    out["/attention_output/kernel"] = lambda w: w.reshape(h, d, e)
-    return out
+    attn = "attn/weights/"
+    split = ps.checkpoint.split
+    return ps.checkpoint.NameMap(
+        [
+            (r"transformer\.wte\.weight", model.wte.embeddings.name),
+            (r"transformer\.wpe\.weight", model.wpe.embeddings.name),
+            (r"transformer\.ln_f\.weight", model.ln_f.gamma.name),
+            (r"transformer\.ln_f\.bias", model.ln_f.beta.name),
+            (blk + r"ln_1\.weight", layer("ln_1/gamma")),
+            (blk + r"ln_1\.bias", layer("ln_1/beta")),
+            (blk + r"ln_2\.weight", layer("ln_2/gamma")),
+            (blk + r"ln_2\.bias", layer("ln_2/beta")),
+            # one fused matrix into three variables: split, then heads made an axis
+            (
+                blk + r"attn\.c_attn\.weight",
+                tuple(layer(f"{attn}{p}/kernel") for p in qkv),
+                ps.checkpoint.chain(split(1), reshape((e, e), (e, h, d))),
+            ),
+            (
+                blk + r"attn\.c_attn\.bias",
+                tuple(layer(f"{attn}{p}/bias") for p in qkv),
+                ps.checkpoint.chain(split(0), reshape((e,), (h, d))),
+            ),
+            (
+                blk + r"attn\.c_proj\.weight",
+                layer(f"{attn}attention_output/kernel"),
+                reshape((e, e), (h, d, e)),
+            ),
+            (blk + r"attn\.c_proj\.bias", layer(f"{attn}attention_output/bias")),
+            (blk + r"mlp\.c_fc\.weight", layer("c_fc/kernel")),  # Conv1D (in, out) = kernel
+            (blk + r"mlp\.c_fc\.bias", layer("c_fc/bias")),
+            (blk + r"mlp\.c_proj\.weight", layer("c_proj/kernel")),
+            (blk + r"mlp\.c_proj\.bias", layer("c_proj/bias")),
+        ]
+    )
 
 
 def load(
@@ -193,49 +206,19 @@ def load(
     c = Config.from_dir(model_dir)
     model = build(c, seq_len, policy)
     assigned = ps.checkpoint.init_from_checkpoint(
-        model_dir, hf_map(model), transforms=hf_transforms(c), cast=True, allow_unverified=True
+        model_dir, hf_names(model), cast=True, allow_unverified=True
     )
     left = [v.name for v in model.variables if v.is_abstract]
     assert not left, f"not in the checkpoint: {left}"
     return model, assigned
 
 
-def hf_state(model: GPT2) -> dict[str, jax.Array]:
-    """This model's values under Hugging Face's names and layout (``c_attn`` fused again)."""
-    c = model.config
-    e = c.n_embd
-    blk = {k: v.value() for k, v in model.h.stacked.items()}
-    out = {
-        "transformer.wte.weight": model.wte.embeddings.value(),
-        "transformer.wpe.weight": model.wpe.embeddings.value(),
-        "transformer.ln_f.weight": model.ln_f.gamma.value(),
-        "transformer.ln_f.bias": model.ln_f.beta.value(),
-    }
-    attn = "attn/weights/"
-    for i in range(c.n_layer):
-        p = f"transformer.h.{i}."
-        for j, ln in ((1, "ln_1"), (2, "ln_2")):
-            out[p + f"ln_{j}.weight"] = blk[f"{ln}/gamma"][i]
-            out[p + f"ln_{j}.bias"] = blk[f"{ln}/beta"][i]
-        out[p + "attn.c_attn.weight"] = jnp.concatenate(
-            [blk[f"{attn}{q}/kernel"][i].reshape(e, e) for q in ("query", "key", "value")], axis=1
-        )
-        out[p + "attn.c_attn.bias"] = jnp.concatenate(
-            [blk[f"{attn}{q}/bias"][i].reshape(e) for q in ("query", "key", "value")]
-        )
-        out[p + "attn.c_proj.weight"] = blk[f"{attn}attention_output/kernel"][i].reshape(e, e)
-        out[p + "attn.c_proj.bias"] = blk[f"{attn}attention_output/bias"][i]
-        for mlp in ("c_fc", "c_proj"):
-            out[p + f"mlp.{mlp}.weight"] = blk[f"{mlp}/kernel"][i]
-            out[p + f"mlp.{mlp}.bias"] = blk[f"{mlp}/bias"][i]
-    return out
-
-
 def export(model: GPT2, model_dir: str, max_shard_size: int | None = None) -> str:
     """Write the model into a Hugging Face directory (its ``config.json`` kept): the
-    weights under Hugging Face's names, one file or shards."""
+    weights under Hugging Face's names (the same map as ``load``'s, turned around), one
+    file or shards."""
     return ps.checkpoint.export_safetensors(
-        model_dir, hf_state(model), max_shard_size=max_shard_size
+        model_dir, model, names=hf_names(model), max_shard_size=max_shard_size
     )
 
 
@@ -261,8 +244,9 @@ def fine_tune(model: GPT2, batches: list[np.ndarray], learning_rate: float = 1e-
     return [float(step(jnp.asarray(b))) for b in batches]
 
 
-LORA_WHERE = r"block/c_(fc|proj)$"  # the MLP Dense layers of every block
-QUANT_WHERE = r"block/(c_fc|c_proj|multi_head_attention)$"  # --qlora: the MLP and attention
+# the MLP Dense layers of every block, and its attention's query and value projections
+LORA_WHERE = r"block/(c_fc|c_proj|multi_head_attention/(query|value))$"
+QUANT_WHERE = r"block/(c_fc|c_proj)$"  # --qlora: the MLP kernels quantized to int8
 
 
 def lora_tuner(
@@ -273,7 +257,7 @@ def lora_tuner(
     ema_decay: float = 0.9,
     directory: str | None = None,
 ) -> lora_recipe.LoRATuner:
-    """Freeze ``model``, LoRA on its blocks' MLP, Adam + EMA step, checkpoints in
+    """Freeze ``model``, LoRA on its blocks' MLP and attention, Adam + EMA step, checkpoints in
     ``directory`` (see ``examples/lora_recipe.py``)."""
     return lora_recipe.LoRATuner(
         model,
@@ -317,14 +301,14 @@ def lora_fine_tune(
 def qlora_fine_tune(
     model_dir: str, batches: list[np.ndarray], *, rank: int = 4, seq_len: int = 8
 ) -> dict[str, Any]:
-    """QLoRA: an int8 base (MLP and attention kernels quantized while loading), LoRA adapters,
+    """QLoRA: an int8 base (MLP kernels quantized while loading), LoRA adapters (MLP, query, value),
     Adam with slots in host memory and an EMA; prints ``ps.plan``'s table of the step, then
     trains on ``batches``."""
     c = Config.from_dir(model_dir)
     model = build(c, seq_len, "mixed_bfloat16")
     quantized = ps.nn.quantize(model, "int8", where=QUANT_WHERE)  # abstract: nothing allocated
     ps.checkpoint.init_from_checkpoint(
-        model_dir, hf_map(model), transforms=hf_transforms(c), cast=True, allow_unverified=True
+        model_dir, hf_names(model), cast=True, allow_unverified=True
     )  # each float MLP tensor quantized on the host as it is read
     tuner = lora_recipe.LoRATuner(
         model,

@@ -1,16 +1,18 @@
 """LoRA fine-tuning in bfloat16 with an EMA, checkpointed and resumable: the recipe that
-``examples/gpt2.py --lora`` and ``examples/transformer.py --lora`` share (imported by both;
-not a script of its own).
+``examples/gpt2.py --lora`` and ``examples/transformer.py --lora`` share (imported by both, and by
+``examples/llama.py``; not a script of its own: ``from examples import lora_recipe``).
 
 ``LoRATuner(model, loss, rank=..., where=...)`` on a built (pretrained) model:
 
 * freezes every variable of the model (``v.trainable = False``: the pretrained weights keep
   their values, bit for bit), then ``ps.nn.enable_lora(model, rank, where=...)`` adds the
-  trainable ``lora_kernel_a``/``lora_kernel_b`` to each matching ``Dense`` (those of a
-  ``ps.nn.Repeat``'s blocks are stacked, ``(n, in, rank)``): they are the only trainable
-  variables;
+  trainable ``lora_kernel_a``/``lora_kernel_b`` to each matching ``Dense`` or attention
+  projection (those of a ``ps.nn.Repeat``'s blocks are stacked, ``(n, in, rank)``): they are
+  the only trainable variables; ``merge_lora`` at the end leaves the kernels frozen;
 * trains them with Adam in one ``ps.function`` step that also updates a
   ``ps.ExponentialMovingAverage`` of them (``num_updates=opt.iterations``, TF's warm-up);
+  ``slot_memory_kind="pinned_host"`` keeps Adam's slots in host memory (``ps.Optimizer``'s
+  ``slot_memory_kind``: moved to the device for each update, inside the step);
 * checkpoints model, optimizer and averages with ``ps.CheckpointManager`` over a
   ``ps.Checkpoint`` every ``save_every`` steps; ``resume()`` restores the newest (or a given)
   checkpoint, and ``train(batches)`` goes on from batch ``opt.iterations``, so an interrupted

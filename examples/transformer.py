@@ -51,9 +51,10 @@ from tqdm import tqdm
 
 import paramstore as ps
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # the shared recipe, beside this file
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lora_recipe  # noqa: E402
+try:  # imported from the package: ``from examples import transformer``
+    from examples import lora_recipe
+except ImportError:  # run as a script (python examples/transformer.py): its directory is on path
+    import lora_recipe  # type: ignore[no-redef]
 
 VOCAB = 128
 

@@ -1,21 +1,21 @@
-"""``load_example(name)``: a script of ``examples/`` imported as a module (they are not a package)."""
+"""``load_example(name)``: ``examples/<name>.py`` imported as ``examples.<name>`` (the
+examples are a package; the checkout's root is put on ``sys.path`` once, as a user's working
+directory would be)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 
 def load_example(name: str) -> ModuleType:
-    """``examples/<name>.py`` as module ``<name>_example`` (registered in ``sys.modules``,
+    """``examples/<name>.py`` as module ``examples.<name>`` (registered in ``sys.modules``,
     where dataclasses look their module up)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"examples.{name}")

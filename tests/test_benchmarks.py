@@ -156,8 +156,13 @@ def test_pretrained_benchmark_prints_its_rows_and_ratios():
         "| init_from_checkpoint (abstract, FSDP)",
         "| export_safetensors (sharded variables)",
         "| examples/gpt2.py load + first logits",
+        "| examples/llama.py load + first logits",
+        "| Llama step, ps.function + ps.Optimizer",
     ):
         assert row in done.stdout, done.stdout
+    # the two Llama steps start from the same weights: the same first loss
+    losses = re.findall(r"first loss (\d+\.\d+)", done.stdout)
+    assert len(losses) == 2 and losses[0] == losses[1], done.stdout
 
 
 @pytest.mark.slow

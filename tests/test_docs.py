@@ -118,7 +118,7 @@ def test_every_public_name_exists_and_has_a_docstring():
 
 
 # What mkdocs.yml's mkdocstrings filters hide from the reference (keep the two in step).
-_HIDDEN_MEMBERS = re.compile(r"^_(?!_call__$)|^check_built$|^ensure_built$")
+_HIDDEN_MEMBERS = re.compile(r"^_(?!_call__$)|^check_built$")
 
 
 def _rendered_members(cls: type) -> list[str]:
@@ -154,8 +154,9 @@ def test_mkdocs_filters_match_the_hidden_members():
     text = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     assert "show_bases: false" in text  # no private base class ("Bases: _Stateless")
     assert "show_attribute_values: false" in text  # ACTIVATIONS is not shown as _shrink(...)
-    for pattern in ("!^check_built$", "!^ensure_built$"):
-        assert pattern in text
+    assert "!^check_built$" in text
+    # a custom ps.nn.Layer calls ensure_built in its __call__: the reference shows it (issue 35)
+    assert '"!^ensure_built$"' not in text
 
 
 def test_docstring_check_detects_a_missing_docstring(tmp_path, monkeypatch):
@@ -316,3 +317,16 @@ def test_site_builds_strict_with_every_public_name(tmp_path):
     assert not absent, f"public names missing from the generated reference: {absent}"
     for guide in ("keras", "nnx", "tf1", "performance"):
         assert (site / "guides" / guide / "index.html").is_file(), guide
+
+
+def test_markdown_tables_have_no_blank_line_inside():
+    """A blank line between two rows ends a table: the rows after it render as raw text
+    (issue 35: the last 10 rows of docs/guides/keras.md's table)."""
+    broken = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for i in range(1, len(lines) - 1):
+            row = lines[i - 1].lstrip().startswith("|") and lines[i + 1].lstrip().startswith("|")
+            if row and not lines[i].strip():
+                broken.append(f"{page.relative_to(ROOT)}:{i + 1}")
+    assert not broken, f"blank lines inside tables: {broken}"

@@ -78,14 +78,17 @@ class _TraceEpoch:
     the epoch and, when it has moved, checks the flags and shardings of the variables it
     captured: the trace is redone where one it saw changed (freezing between calls takes
     effect; a step compiled before a reshard does not write its variables back on their old
-    shardings)."""
+    shardings). ``restructure()`` also moves ``structure``: a change to what a layer
+    computes with the same variables (``enable_lora``, ``merge_lora``), after which every
+    trace is redone on its next call."""
 
-    __slots__ = ("epoch", "_count", "_retired")
+    __slots__ = ("epoch", "_count", "_retired", "structure")
 
     def __init__(self) -> None:
         self._count = itertools.count(1)
         self.epoch = 0
         self._retired: dict[int, weakref.ref[Any]] = {}
+        self.structure = 0
 
     def bump(self) -> None:
         # next() on a count is atomic: threads bumping at once each get a new value
@@ -101,6 +104,11 @@ class _TraceEpoch:
         """Whether ``retire(var)`` was called."""
         ref = self._retired.get(id(var))
         return ref is not None and ref() is var
+
+    def restructure(self) -> None:
+        """A layer now computes differently (LoRA enabled or merged): every trace is stale."""
+        self.structure = next(self._count)
+        self.bump()
 
 
 TRACE_EPOCH = _TraceEpoch()

@@ -66,10 +66,13 @@ class Entry:
         self.moved = list({id(v): v for v in (*donated, *readonly, *assigned)}.values())
         self.flags = [v.trainable for v in self.moved]
         self.epoch = TRACE_EPOCH.epoch
+        self.structure = TRACE_EPOCH.structure  # a layer restructured since: trace anew
 
     def still_holds(self) -> bool:
         """Whether the variables' trainable flags and shardings are those the trace saw
         (then the entry is current again; else it must be traced anew)."""
+        if self.structure != TRACE_EPOCH.structure:
+            return False
         if [v.trainable for v in self.moved] != self.flags:
             return False
         if any(TRACE_EPOCH.is_retired(v) for v in self.moved):

@@ -63,8 +63,10 @@ from paramstore.checkpoint.formats.huggingface import export as _export
 from paramstore.checkpoint.formats.safetensors.file import write_arrays
 from paramstore.checkpoint.formats.safetensors.format import FORMAT_VERSION
 from paramstore.checkpoint.manager import CheckpointManager
+from paramstore.checkpoint.namemap import NameMap
 from paramstore.checkpoint.readers import open_reader, opened
 from paramstore.checkpoint.saver import Saver
+from paramstore.checkpoint.transforms import Transform, chain, split, transpose
 from paramstore.checkpoint.warm_start import init_from_checkpoint
 from paramstore.typing import VariablesLike
 
@@ -76,6 +78,11 @@ __all__ = [
     "load_variable",
     "init_from_checkpoint",
     "export_safetensors",
+    "NameMap",
+    "Transform",
+    "transpose",
+    "split",
+    "chain",
     "open_reader",
     "write_arrays",
     "read_arrays",
@@ -131,7 +138,9 @@ def export_safetensors(
     variables; a dict ``{name: Variable}``, whose values may also be arrays; a list; a
     Module). ``names``: a dict (its keys must be names of ``variables``; a variable it does
     not list keeps its name) or a callable mapping a full name to the name in the file,
-    ``None`` to leave the variable out. ``max_shard_size`` (bytes): when the tensors exceed
+    ``None`` to leave the variable out; or a ``NameMap``, turned around (each variable, each
+    layer of a stacked one, under the checkpoint name its rule gives, through the inverse
+    transform; a variable no rule reaches raises ValueError). ``max_shard_size`` (bytes): when the tensors exceed
     it, they are split into ``model-00001-of-0000N.safetensors`` files (a tensor bigger than
     that alone in its file) with ``model.safetensors.index.json`` (``metadata.total_size``,
     ``weight_map``), in directory ``path``. A ``path`` that is an existing directory (a

@@ -18,7 +18,9 @@ Contract (docs/guides/pretrained.md, docs/api.md "Pretrained weights"):
   into several variables, each through its own transforms). A variable name ``name[i]`` is
   layer ``i`` of a stacked variable (``ps.nn.Repeat``): a stacked variable takes all its
   layers or none. Stricter than TF1: a key or pattern that matches no checkpoint name, a
-  scope with no variable, or a transform pattern that matches no variable raises.
+  scope with no variable, or a transform pattern that matches no variable raises. A
+  ``ps.checkpoint.NameMap`` reads as its ``(pattern, target)`` pairs, each value passed
+  through its rule's forward transform (before any of ``transforms``).
 * ``transforms`` ``{pattern: fn}``: every ``fn`` whose pattern ``re.search``-es a
   variable's name (``name[i]`` for a layer) is applied, in the dict's order, to the value
   read for it. ``cast=True`` allows float-to-float conversion; any other dtype or shape
@@ -46,6 +48,7 @@ import numpy as np
 from paramstore.checkpoint.assignment import Target, compile_pattern, resolve
 from paramstore.checkpoint.format import PathLike, Reader, dtype_name, is_string
 from paramstore.checkpoint.io import aligned_empty
+from paramstore.checkpoint.namemap import NameMap
 from paramstore.checkpoint.readers import opened
 from paramstore.checkpoint.saver import assign_all, check_assignable, outside_traces
 from paramstore.nn._quant import QuantInfo, quantize_host, quantized_of
@@ -59,7 +62,7 @@ __all__ = ["init_from_checkpoint"]
 
 def init_from_checkpoint(
     ckpt: PathLike,
-    assignment_map: Mapping[str, str | Variable] | list[tuple[str, Any]],
+    assignment_map: Mapping[str, str | Variable] | list[tuple[str, Any]] | NameMap,
     *,
     transforms: Mapping[str, Transform] | None = None,
     cast: bool = False,
@@ -78,10 +81,17 @@ def init_from_checkpoint(
     store = default_store()
     with opened(ckpt, allow_unverified) as r:
         entries = r.entries
-        targets = resolve(assignment_map, list(entries), store, r.path)
+        name_map = assignment_map if isinstance(assignment_map, NameMap) else None
+        pairs = name_map.pairs() if name_map is not None else assignment_map
+        targets = resolve(pairs, list(entries), store, r.path)
         for t in targets:
             check_assignable(t.ckpt, t.var)
         chains = {t.label: [fn for p, fn in patterns if p.search(t.label)] for t in targets}
+        if name_map is not None:  # each rule's forward transform first, then transforms=
+            for t in targets:
+                fn = name_map.forward(t.ckpt, t.label)
+                if fn is not None:
+                    chains[t.label].insert(0, fn)
         unused = [p.pattern for p, _ in patterns if not any(p.search(t.label) for t in targets)]
         if unused:
             raise ValueError(

@@ -10,8 +10,9 @@ from paramstore.nn._base import ACTIVATIONS, Layer
 from paramstore.nn.attention import MultiHeadAttention
 from paramstore.nn.conv import Conv1D, Conv2D
 from paramstore.nn.core import Dense, Dropout, Embedding, Sequential
+from paramstore.nn.grouped_attention import GroupQueryAttention
 from paramstore.nn.lora import enable_lora, merge_lora
-from paramstore.nn.normalization import BatchNormalization, LayerNormalization
+from paramstore.nn.normalization import BatchNormalization, LayerNormalization, RMSNormalization
 from paramstore.nn.pooling import (
     AveragePooling2D,
     GlobalAveragePooling2D,
@@ -22,6 +23,7 @@ from paramstore.nn.quantize import dequantize, quantize
 from paramstore.nn.recurrent import GRU, LSTM, Bidirectional
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.reshaping import Activation, Flatten, Reshape
+from paramstore.nn.rotary import RotaryEmbedding
 
 __all__ = [
     "ACTIVATIONS",
@@ -38,13 +40,16 @@ __all__ = [
     "GRU",
     "GlobalAveragePooling2D",
     "GlobalMaxPooling2D",
+    "GroupQueryAttention",
     "Layer",
     "LSTM",
     "LayerNormalization",
     "MaxPooling2D",
     "MultiHeadAttention",
+    "RMSNormalization",
     "Repeat",
     "Reshape",
+    "RotaryEmbedding",
     "Sequential",
     "dequantize",
     "enable_lora",

@@ -14,7 +14,9 @@ Contract (docs/api.md, "Layers"):
   builds or changes nothing. A built layer given a shape it was not built for (its feature
   axis differs), by a call or by ``build``, raises the same way.
 * Reading a variable attribute (``layer.kernel``) before the layer is built raises an
-  ``AttributeError`` saying to call the layer or ``build`` it.
+  ``AttributeError`` saying to call the layer or ``build`` it; read inside the layer's own
+  ``__call__`` (a custom layer whose ``__call__`` does not start with
+  ``self.ensure_built(x.shape)``), the error says to add that line (or to define ``build``).
 * Subclasses override ``build(input_shape)`` (create the variables; the base wraps it with
   the scope, the lock and ``built``), ``check_shape(shape)`` and ``__call__``; they list
   their variable attributes in ``variable_names``.
@@ -51,6 +53,7 @@ from paramstore import regularizers as _regularizers
 from paramstore._core.layout import Partition
 from paramstore._core.store import give_back, journal
 from paramstore.module import PENDING, Module
+from paramstore.nn._advice import read_in_own_call
 from paramstore.typing import Initializer, LayerInitializer, ValueLike
 from paramstore.variable import Variable
 
@@ -409,6 +412,10 @@ class Layer(Module):
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when ``name`` is not set: a variable of a layer not built yet.
+        if not self.__dict__.get("built", False) and not name.startswith("_"):
+            advice = read_in_own_call(self, name, type(self).build is not Layer.build)
+            if advice is not None:  # the user did call it: its __call__ never built it
+                raise AttributeError(advice)
         if name in type(self).variable_names and not self.__dict__.get("built", False):
             raise AttributeError(
                 f"{self.describe()} is not built yet, so it has no {name!r}: call the layer "
@@ -447,7 +454,11 @@ class Layer(Module):
             )
 
     def ensure_built(self, *shapes: Shape) -> None:
-        """Check the input shapes, then build from them or check them against the build."""
+        """Check the input shapes, then build from them (``build(*shapes)``, once) or check
+        them against the build. A layer's ``__call__`` starts with it, e.g.
+        ``self.ensure_built(tuple(x.shape))``: a custom ``ps.nn.Layer`` must call it too
+        before it reads its variables (Keras' ``__call__`` builds for you; here this line
+        does)."""
         if self.__dict__.get("built", False):
             self.check_shape(*shapes)
             self.check_built(*shapes)

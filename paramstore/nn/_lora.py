@@ -19,8 +19,12 @@ Contract (docs/api.md, "LoRA"; docs/guides/recipes.md, "LoRA"):
   float32, stored in the target's dtype), removes the LoRA variables and gives the target
   back the trainable flag it had before ``enable_lora``; the outputs stay equal (to the
   target dtype's precision). Without LoRA: ``ValueError`` naming the layer.
-* A ``ps.function`` traced before ``enable_lora``/``merge_lora`` keeps its old program:
-  call ``f.clear_cache()`` (or enable LoRA before the first trace).
+* ``enable_lora`` and ``merge_lora`` change what the layer computes with the same
+  variables: every ``ps.function`` traced before traces again on its next call
+  (``TRACE_EPOCH.restructure()``), so it computes with (or without) the adapters.
+* A target of any rank (an attention projection's ``(dim, heads, head_dim)`` kernel, as
+  Keras 3's ``EinsumDense``): ``a`` has shape ``target.shape[:-1] + (rank,)``, ``b``
+  ``(rank, target.shape[-1])``, and ``a @ b`` is ``lora_delta(a, b)``.
 """
 
 from __future__ import annotations
@@ -33,11 +37,46 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
+from paramstore._core.context import TRACE_EPOCH
 from paramstore.nn._base import Layer, all_or_nothing, initializer
 from paramstore.typing import LayerInitializer
 from paramstore.variable import Variable
 
-__all__ = ["LoRALayer", "check_rank", "check_alpha"]
+__all__ = [
+    "LoRALayer",
+    "check_rank",
+    "check_alpha",
+    "lora_delta",
+    "freeze_target",
+    "restore_flags",
+]
+
+
+def freeze_target(v: Variable) -> bool:
+    """Make ``v`` non-trainable for LoRA; returns whether it was trainable (a variable that
+    was not is left exactly as it is, its own flag and a Module's freeze alike)."""
+    was = v.trainable
+    if was:
+        v.trainable = False
+    return was
+
+
+def restore_flags(v: Variable, was_trainable: bool, frozen_by_module: bool) -> None:
+    """Undo ``freeze_target``: a variable that was trainable is again, unless its Module was
+    frozen since (``frozen_by_module``: then it is frozen as the Module's other variables)."""
+    if was_trainable:
+        v.trainable = True
+        if frozen_by_module:
+            v._freeze(True)
+
+
+def lora_delta(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a @ b`` for ``a`` of shape ``(*lead, *mid, rank)`` and ``b`` ``(*lead, rank, out)``
+    (``lead``: a Repeat's stacked axis, or nothing): shape ``(*lead, *mid, out)``."""
+    extra = a.ndim - b.ndim
+    if extra > 0:
+        b = b.reshape((*b.shape[:-2], *(1,) * extra, *b.shape[-2:]))
+    return jnp.matmul(a, b)
 
 
 def check_rank(rank: Any, who: str) -> int:
@@ -96,21 +135,22 @@ class LoRALayer(Layer):
         self, rank: int, alpha: float | None, a_init: Any, b_init: Any
     ) -> tuple[Variable, Variable]:
         target: Variable = getattr(self, self.lora_target)
-        n_in, n_out = self.lora_dims()
-        a = self.add_weight(self.lora_names[0], (n_in, rank), a_init, dtype="float32")
+        lead, n_out = self.lora_dims()
+        a = self.add_weight(self.lora_names[0], (*lead, rank), a_init, dtype="float32")
         b = self.add_weight(self.lora_names[1], (rank, n_out), b_init, dtype="float32")
         setattr(self, self.lora_names[0], a)
         setattr(self, self.lora_names[1], b)
-        self._lora_was_trainable = target.trainable
-        target.trainable = False
+        self._lora_was_trainable = freeze_target(target)
         self.lora_rank, self.lora_alpha = rank, float(rank) if alpha is None else alpha
         self.lora_enabled = True
+        TRACE_EPOCH.restructure()  # a ps.function traced before computes without a, b
         return a, b
 
-    def lora_dims(self) -> tuple[int, int]:
-        """``(in, out)`` of the target (a quantized layer: of its float kernel)."""
+    def lora_dims(self) -> tuple[tuple[int, ...], int]:
+        """``(a's leading shape, out)``: the target's shape but its last axis, and that axis,
+        as Keras' ``EinsumDense`` (a quantized layer: those of its float kernel)."""
         target: Variable = getattr(self, self.lora_target)
-        return target.shape[-2], target.shape[-1]
+        return tuple(target.shape[:-1]), target.shape[-1]
 
     def enable_lora(
         self,
@@ -119,7 +159,8 @@ class LoRALayer(Layer):
         a_initializer: LayerInitializer = "he_uniform",
         b_initializer: LayerInitializer = "zeros",
     ) -> None:
-        """Add LoRA variables ``a`` ``(in, rank)`` and ``b`` ``(rank, out)`` and freeze the
+        """Add LoRA variables ``a`` ``(*kernel.shape[:-1], rank)`` and ``b`` ``(rank, out)``
+        and freeze the
         target, as Keras 3's ``enable_lora`` (see the module docstring)."""
         me = self.describe()
         rank = check_rank(rank, me)
@@ -167,7 +208,7 @@ class LoRALayer(Layer):
         assert self.lora_alpha is not None and self.lora_rank is not None
         scale = self.lora_alpha / self.lora_rank
         wide = jnp.promote_types(target.dtype, jnp.float32)
-        delta = jnp.matmul(a.astype(wide), b.astype(wide))
+        delta = lora_delta(a.astype(wide), b.astype(wide))
         return (target.astype(wide) + scale * delta).astype(target.dtype)
 
     def drop_lora(self) -> None:
@@ -175,8 +216,9 @@ class LoRALayer(Layer):
         target = getattr(self, self.lora_target)
         for name in self.lora_names:
             delattr(self, name)
-        target.trainable = self._lora_was_trainable
+        restore_flags(target, self._lora_was_trainable, not self.trainable)
         self.lora_rank, self.lora_alpha, self.lora_enabled = None, None, False
+        TRACE_EPOCH.restructure()  # a ps.function traced before still reads a and b
 
     def merge_lora(self) -> None:
         """Fold ``(lora_alpha / rank) * a @ b`` into the target and remove the LoRA

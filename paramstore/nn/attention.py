@@ -1,4 +1,11 @@
-"""``MultiHeadAttention``, as ``keras.layers.MultiHeadAttention`` (same variables)."""
+"""``MultiHeadAttention``, as ``keras.layers.MultiHeadAttention`` (same variables).
+
+Each projection (``query``, ``key``, ``value``, ``attention_output``) is a
+``paramstore.nn.projection.Projection`` named ``<layer>/<projection>`` (so LoRA reaches it,
+as Keras 3's ``EinsumDense``); the projections are held in the attribute ``weights`` (the
+checkpoint keys ``attn/weights/query/kernel`` ... are those of earlier versions).
+``layer.enable_lora(rank, lora_alpha=None)`` enables LoRA on all four.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +16,108 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore import scope as _scope
 from paramstore._core.layout import Partition
-from paramstore.nn._base import PolicyLike, Shape, as_float, initializer, set_hooks
-from paramstore.nn._quant_attention import QuantAttention
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, hooks, initializer, set_hooks
+from paramstore.nn._lora import check_alpha, check_rank
+from paramstore.nn.projection import Projection
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "AttentionProjections", "attend"]
+
+_ORDER = ("query", "key", "value", "attention_output")
+
+
+class AttentionProjections(Layer):
+    """What ``MultiHeadAttention`` and ``GroupQueryAttention`` share: their four
+    ``Projection`` layers (held in the attribute ``weights``), Keras' ``weights`` order, and
+    LoRA on all four."""
+
+    _partitions: dict[str, tuple[Partition | None, Partition | None]]
+    _kernel_init: Any
+    _bias_init: Any
+    use_bias: bool
+
+    @property
+    def projections(self) -> dict[str, Projection]:
+        """The projections by name (``"query"``, ``"key"``, ``"value"``,
+        ``"attention_output"``), once built."""
+        found: dict[str, Projection] = self.__dict__["weights"]
+        return found
+
+    @property
+    def _kernels(self) -> dict[str, Variable]:
+        """The variables by Keras name (``"query/kernel"``)."""
+        out: dict[str, Variable] = {}
+        for name, p in self.projections.items():
+            out[f"{name}/kernel"] = p.kernel
+            if p.bias is not None:
+                out[f"{name}/bias"] = p.bias
+        return out
+
+    @property
+    def weights(self) -> list[Variable]:
+        """Keras' order: query, key, value, attention_output, each kernel then bias (then
+        the LoRA variables)."""
+        names = [f"{h}/{w}" for h in _ORDER for w in ("kernel", "bias")]
+        kernels = self._kernels
+        first = [kernels[n] for n in names if n in kernels]
+        return first + [v for v in super().weights if all(v is not f for f in first)]
+
+    def _project(
+        self, name: str, equation: str, shape: tuple[int, ...], bias: tuple[int, ...]
+    ) -> None:
+        """Make and build the projection ``name`` (inside the layer's scope, in build)."""
+        k_part, b_part = self._partitions.get(name, self._partitions[""])
+        p = Projection(
+            equation,
+            shape,
+            bias if self.use_bias else None,
+            self._kernel_init,
+            self._bias_init,
+            name,
+            kernel_partition=k_part,
+            bias_partition=b_part,
+            dtype=self.dtype_policy,
+            **{f"kernel_{k}": v for k, v in hooks(self, "kernel").items()},
+            **{f"bias_{k}": v for k, v in hooks(self, "bias").items()},
+        )
+        p.build((None, shape[0]))
+        self.projections[name] = p
+
+    def enable_lora(self, rank: int, lora_alpha: float | None = None) -> None:
+        """LoRA on the four projections, as Keras 3's ``EinsumDense.enable_lora`` on each
+        (``ValueError`` naming the layer, nothing changed: unbuilt, LoRA already on, or a
+        bad ``rank``/``lora_alpha``)."""
+        me = self.describe()
+        rank = check_rank(rank, me)
+        alpha = check_alpha(lora_alpha, rank, me)
+        if not self.built:
+            raise ValueError(
+                f"{me} is not built yet, so it has no projections to adapt: call the layer "
+                "(or layer.build(query_shape, value_shape)) before enable_lora."
+            )
+        for p in self.projections.values():
+            p.check_lora_enable()
+        for name in _ORDER:
+            self.projections[name].enable_lora(rank, alpha)
+
+    def merge_lora(self) -> None:
+        """Merge the LoRA of every projection that has one (``ValueError`` if none has)."""
+        chosen = [p for p in self.projections.values() if p.lora_enabled]
+        if not chosen:
+            raise ValueError(
+                f"{self.describe()} has no LoRA to merge: enable_lora(rank) first (or leave "
+                "this layer out of merge_lora)."
+            )
+        for p in chosen:
+            p.merge_lora()
+
 
 _NEG = -1e9  # Keras' large negative number for masked logits (float32)
 
 
-class MultiHeadAttention(QuantAttention):
+class MultiHeadAttention(AttentionProjections):
     """Scaled dot-product attention with ``num_heads`` heads, as Keras'.
 
     ``layer(query, value, key=None, mask=None, use_causal_mask=False)``: ``query`` has shape
@@ -77,36 +173,11 @@ class MultiHeadAttention(QuantAttention):
         self._kernel_init = initializer(
             kernel_initializer, _init.glorot_uniform(), "MultiHeadAttention", "kernel_initializer"
         )
+        self._bias_init = _init.zeros()
         self._dims: tuple[int, int, int] | None = None
-        # Stored as "weights" (the checkpoint key: attn/weights/query/kernel); ``.weights``
-        # itself is Keras' list of variables (ps.Module.weights).
+        # The projections, stored as "weights" (the checkpoint key: attn/weights/query/kernel);
+        # ``.weights`` itself is Keras' list of variables (ps.Module.weights).
         self.__dict__["weights"] = {}
-
-    @property
-    def _kernels(self) -> dict[str, Variable]:
-        """The variables by Keras name (``"query/kernel"``), stored as attribute "weights"."""
-        kernels: dict[str, Variable] = self.__dict__["weights"]
-        return kernels
-
-    @property
-    def weights(self) -> list[Variable]:
-        """Keras' order: query, key, value, attention_output, each kernel then bias."""
-        heads = ("query", "key", "value", "attention_output")
-        names = [f"{h}/{w}" for h in heads for w in ("kernel", "bias")]
-        first = [self._kernels[n] for n in names if n in self._kernels]
-        return first + [v for v in super().weights if all(v is not f for f in first)]
-
-    def _dense(self, scope: str, shape: tuple[int, ...], bias: tuple[int, ...]) -> None:
-        k_init = self._kernel_init
-        k_part, b_part = self._partitions.get(scope, self._partitions[""])
-        with _scope.name_scope(scope):
-            self._kernels[f"{scope}/kernel"] = self.add_weight(
-                "kernel", shape, k_init, partition=k_part
-            )
-            if self.use_bias:
-                self._kernels[f"{scope}/bias"] = self.add_weight(
-                    "bias", bias, _init.zeros(), partition=b_part
-                )
 
     def build(
         self, query_shape: Shape, value_shape: Shape | None = None, key_shape: Shape | None = None
@@ -122,10 +193,10 @@ class MultiHeadAttention(QuantAttention):
                 f"key and value; got shapes {query_shape}, {key_shape}, {value_shape}."
             )
         h, kd, vd = self.num_heads, self.key_dim, self.value_dim
-        self._dense("query", (dq, h, kd), (h, kd))
-        self._dense("key", (dk, h, kd), (h, kd))
-        self._dense("value", (dv, h, vd), (h, vd))
-        self._dense("attention_output", (h, vd, dq), (dq,))
+        self._project("query", "bsd,dhk->bshk", (dq, h, kd), (h, kd))
+        self._project("key", "bsd,dhk->bshk", (dk, h, kd), (h, kd))
+        self._project("value", "bsd,dhk->bshk", (dv, h, vd), (h, vd))
+        self._project("attention_output", "bthk,hkd->btd", (h, vd, dq), (dq,))
         self._dims = (dq, dk, dv)
 
     def check_shape(self, *shapes: Shape | None) -> None:
@@ -195,13 +266,8 @@ class MultiHeadAttention(QuantAttention):
         k_in = v_in if key is None else as_float(key, self)
         self._check(q_in, k_in, v_in, mask)
         self.ensure_built(tuple(q_in.shape), tuple(v_in.shape), tuple(k_in.shape))
-        w = {name: self.cast(var) for name, var in self._kernels.items()}
-
-        def project(x: jax.Array, name: str) -> jax.Array:
-            y = self.project("bsd,dhk->bshk", x, name, w)  # int8 once quantized
-            return y + w[f"{name}/bias"] if self.use_bias else y
-
-        q, k, v = project(q_in, "query"), project(k_in, "key"), project(v_in, "value")
+        proj = self.projections
+        q, k, v = proj["query"](q_in), proj["key"](k_in), proj["value"](v_in)
         allowed = None
         if mask is not None:
             m = jnp.asarray(mask).astype(bool)
@@ -210,21 +276,22 @@ class MultiHeadAttention(QuantAttention):
             t, s = q.shape[1], k.shape[1]
             causal = jnp.tril(jnp.ones((t, s), bool))
             allowed = causal if allowed is None else jnp.logical_and(allowed, causal)
-        out = _attend(q, k, v, allowed, 1.0 / math.sqrt(self.key_dim))
-        y = self.project("bthk,hkd->btd", out, "attention_output", w)
-        return y + w["attention_output/bias"] if self.use_bias else y
+        out, _ = attend(q, k, v, allowed, 1.0 / math.sqrt(self.key_dim))
+        return proj["attention_output"](out)
 
 
-def _attend(
+def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | None, scale: float
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """Keras 3's attention core on JAX (``_dot_product_attention_core``): the logits
     accumulated and scaled in at least float32, the softmax in float32, the weights cast
-    back to the compute dtype for the sum over values."""
+    back to the compute dtype for the sum over values. ``q`` ``(b, t, h, k)``, ``k`` and
+    ``v`` ``(b, s, h, k)``, ``allowed`` broadcastable to ``(b, h, t, s)``; returns the output
+    ``(b, t, h, k)`` and the weights ``(b, h, t, s)``."""
     wide = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=wide)
     logits = logits * jnp.asarray(scale, wide)
     if allowed is not None:
         logits = jnp.where(allowed, logits, jnp.asarray(_NEG, wide))
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(k.dtype)
-    return jnp.einsum("bhts,bshk->bthk", probs, v)
+    return jnp.einsum("bhts,bshk->bthk", probs, v), probs

@@ -135,9 +135,9 @@ class Dense(QuantLayer):
             y = y + self.cast(self.bias)
         return y if self.activation is None else self.activation(y)
 
-    def lora_dims(self) -> tuple[int, int]:
-        """``(in, units)``, also when the kernel is packed int4."""
-        return self.kernel.shape[-2], self.units
+    def lora_dims(self) -> tuple[tuple[int, ...], int]:
+        """``((in,), units)``, also when the kernel is packed int4."""
+        return (self.kernel.shape[-2],), self.units
 
 
 class Embedding(QuantLayer):
@@ -252,9 +252,9 @@ class Embedding(QuantLayer):
             out = out + factor * jnp.matmul(a, self.lora_embeddings_b.value())
         return out.astype(self.compute_dtype)
 
-    def lora_dims(self) -> tuple[int, int]:
-        """``(input_dim, output_dim)``, also when the table is packed int4."""
-        return self.input_dim, self.output_dim
+    def lora_dims(self) -> tuple[tuple[int, ...], int]:
+        """``((input_dim,), output_dim)``, also when the table is packed int4."""
+        return (self.input_dim,), self.output_dim
 
 
 class Dropout(Layer):

@@ -16,7 +16,11 @@ Contract (docs/api.md, "LoRA"; the per-layer part is ``paramstore.nn._lora``):
   names), a matching layer not built or with LoRA already (``ValueError`` naming it).
 * ``merge_lora(module)`` merges every layer of ``module`` that has LoRA (the Repeat's
   stacked ones per block) and returns the list; ``ValueError`` if none has LoRA.
-* Trace after: a ``ps.function`` traced before keeps its program (``f.clear_cache()``).
+* The attention layers' projections (``MultiHeadAttention``, ``GroupQueryAttention``:
+  ``<layer>/query``, ``/key``, ``/value``, ``/attention_output``) are such layers too.
+* ``merge_lora`` gives each target back the ``trainable`` flags it had before
+  ``enable_lora`` (a frozen kernel stays frozen, the stacked one of a Repeat too).
+* A ``ps.function`` traced before either traces again on its next call.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ from paramstore._core import seed as _seed
 from paramstore._core.jax_api import EVAL, in_trace
 from paramstore.module import Module
 from paramstore.nn._base import all_or_nothing
-from paramstore.nn._lora import LoRALayer, check_alpha, check_rank
+from paramstore.nn._lora import (
+    LoRALayer,
+    check_alpha,
+    check_rank,
+    freeze_target,
+    restore_flags,
+)
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.repeat.layout import (
     attribute_paths,
@@ -84,14 +94,15 @@ def enable_lora(
     found = _lora_layers(module)
     if not found:
         raise TypeError(
-            f"{me}: {_describe(module)} has no layer with LoRA: only ps.nn.Dense and "
-            "ps.nn.Embedding (also inside a Repeat's blocks) support it."
+            f"{me}: {_describe(module)} has no layer with LoRA: only ps.nn.Dense, "
+            "ps.nn.Embedding and the projections of the attention layers (also inside a "
+            "Repeat's blocks) support it."
         )
     pattern = re.compile(where) if where is not None else None
     chosen = [(ly, r) for ly, r in found if pattern is None or pattern.search(ly.scope_name)]
     if not chosen:
         raise ValueError(
-            f"{me}: no Dense or Embedding layer of {_describe(module)} matches "
+            f"{me}: no Dense, Embedding or attention projection of {_describe(module)} matches "
             f"where={where!r}; their full names are {[ly.scope_name for ly, _ in found]}."
         )
     for layer, rep in chosen:
@@ -125,7 +136,8 @@ def _enable_stacked(rep: Repeat, layer: LoRALayer, rank: int, alpha: float) -> N
     paths = attribute_paths(t.block)
     by_key = dict(zip(rep._order, t.tvars))
     key_of = {id(v): k for k, v in by_key.items()}
-    rep.stacked[key_of[id(getattr(layer, layer.lora_target))]].trainable = False
+    target = rep.stacked[key_of[id(getattr(layer, layer.lora_target))]]
+    layer._lora_was_trainable = freeze_target(target)  # the stacked one's, not the template's
     stacked = dict(rep.stacked)
     for v in new:
         key = paths[id(v)]
@@ -177,7 +189,8 @@ def merge_lora(module: Module) -> list[LoRALayer]:
         target.assign(layer.lora_merged(target.value(), a.value(), b.value()), read_value=False)
         gone = {key_of[id(v)] for v in layer.lora_parts()[1:]}
         layer.drop_lora()
-        target.trainable = getattr(layer, layer.lora_target).trainable
+        frozen = not (layer.trainable and rep.trainable)
+        restore_flags(target, layer._lora_was_trainable, frozen)  # as before enable_lora
         keep = {k: v for k, v in by_key.items() if k not in gone}
         _relayout(rep, keep, rep.stacked)
     return [layer for layer, _ in chosen]

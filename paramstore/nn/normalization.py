@@ -1,4 +1,5 @@
-"""``LayerNormalization`` and ``BatchNormalization`` over the last axis (Keras defaults)."""
+"""``LayerNormalization`` and ``BatchNormalization`` over the last axis, and
+``RMSNormalization`` (Keras 3's defaults and results)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, features
 from paramstore.typing import ValueLike
 from paramstore.variable import Variable
 
-__all__ = ["LayerNormalization", "BatchNormalization"]
+__all__ = ["LayerNormalization", "BatchNormalization", "RMSNormalization"]
 
 
 def _check_epsilon(epsilon: Any, layer: str) -> float:
@@ -160,3 +161,82 @@ class BatchNormalization(Layer):
         y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
         y = y * self.gamma.value().astype(wide) + self.beta.value().astype(wide)
         return y.astype(self.compute_dtype)
+
+
+class RMSNormalization(Layer):
+    """``x * rsqrt(mean(x**2, axis) + epsilon) * scale``, as ``keras.layers.RMSNormalization``
+    and ``transformers``' ``LlamaRMSNorm``.
+
+    ``scale`` (ones) has the size of the normalized ``axis`` (default the last); another
+    axis normalizes over that axis with ``scale`` broadcast along it. As Keras 3, the input
+    is cast to the compute dtype, then the statistics, the normalization and the scale (read
+    in the compute dtype) are computed in at least float32 and rounded once, to the compute
+    dtype, at the end. ``scale_partition`` is the ``partition=`` of ``scale``.
+    """
+
+    variable_names = ("scale",)
+    scale: Variable
+
+    def __init__(
+        self,
+        axis: int = -1,
+        epsilon: float = 1e-6,
+        name: str | None = None,
+        *,
+        scale_partition: Partition | None = None,
+        dtype: PolicyLike = None,
+    ) -> None:
+        super().__init__(name=name, dtype=dtype)
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"RMSNormalization: axis must be an int, got {axis!r}.")
+        self.axis = axis
+        self.epsilon = _check_epsilon(epsilon, "RMSNormalization")
+        self._partition = scale_partition
+
+    def compute_output_shape(self, input_shape: Shape) -> Shape:
+        """The input's shape (normalization keeps it)."""
+        return input_shape
+
+    def check_shape(self, *shapes: Shape | None) -> None:
+        """The input must have the axis to normalize over."""
+        shape = shapes[0] if shapes else None
+        if shape is not None and not -len(shape) <= self.axis < len(shape):
+            raise ValueError(
+                f"{self.describe()} normalizes over axis {self.axis}, but the input has "
+                f"shape {shape} ({len(shape)} axes)."
+            )
+
+    def check_built(self, *shapes: Shape | None) -> None:
+        """The normalized axis must keep the size ``scale`` was built for."""
+        shape = shapes[0] if shapes else None
+        if shape is None or not self.built:
+            return
+        n = shape[self.axis]
+        if n is not None and (n,) != self.scale.shape:
+            raise ValueError(
+                f"{self.describe()} was built for {self.scale.shape[0]} features on axis "
+                f"{self.axis}, got an input of shape {shape}."
+            )
+
+    def build(self, input_shape: Shape) -> None:
+        """Create ``scale`` ``(input_shape[axis],)``."""
+        n = input_shape[self.axis]
+        if n is None:
+            raise ValueError(
+                f"{self.describe()} cannot be built for input shape {input_shape}: the size "
+                f"of axis {self.axis} must be known."
+            )
+        self.scale = self.add_weight("scale", (n,), _init.ones(), partition=self._partition)
+
+    def __call__(self, x: ValueLike) -> jax.Array:
+        """Normalize ``x`` by its root mean square over ``axis``, then multiply by ``scale``."""
+        x = as_float(x, self)
+        self.ensure_built(tuple(x.shape))
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        xw = x.astype(wide)
+        axis = self.axis % x.ndim
+        ms = jnp.mean(jnp.square(xw), axis=axis, keepdims=True)
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        scale = self.cast(self.scale).astype(wide).reshape(shape)
+        return (xw * jax.lax.rsqrt(ms + self.epsilon) * scale).astype(self.compute_dtype)

@@ -34,13 +34,12 @@ from paramstore.nn._quant import (
     dequantize_variable,
     quantize_variable,
 )
-from paramstore.nn._quant_attention import QuantAttention
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.repeat.layout import attribute_paths
 
 __all__ = ["dequantize", "quantize"]
 
-Quantizable = QuantLayer | QuantAttention
+Quantizable = QuantLayer
 Found = list[tuple[Quantizable, Repeat | None]]
 
 
@@ -58,14 +57,10 @@ def quantizable_layers(module: Any) -> Found:
     """Every ``Dense``/``Embedding`` in ``module`` (with the Repeat whose template holds it)."""
     found: Found = []
     for m in _modules(module):
-        if isinstance(m, (QuantLayer, QuantAttention)):
+        if isinstance(m, QuantLayer):
             found.append((m, None))
         elif isinstance(m, Repeat):
-            found.extend(
-                (t, m)
-                for t in _modules(m._template.block)
-                if isinstance(t, (QuantLayer, QuantAttention))
-            )
+            found.extend((t, m) for t in _modules(m._template.block) if isinstance(t, QuantLayer))
     return found
 
 
@@ -97,9 +92,7 @@ def quantize(module: Module, mode: str, *, where: str | None = None) -> list[Qua
     module docstring)."""
     me = "ps.nn.quantize"
     mode = check_mode(mode, me)
-    chosen = _chosen(
-        module, where, me, quantizable_layers(module), "Dense, Embedding or attention layer"
-    )
+    chosen = _chosen(module, where, me, quantizable_layers(module), "Dense or Embedding layer")
     for layer, rep in chosen:
         if rep is not None and not rep.built:
             raise ValueError(

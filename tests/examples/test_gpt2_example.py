@@ -71,14 +71,19 @@ def test_loads_matches_transformers_fine_tunes_and_exports_back(ex, hf_dir, tmp_
         np.testing.assert_allclose(np.asarray(again(jnp.asarray(IDS))), tuned, atol=1e-5)
 
 
-def test_the_map_names_every_variable_of_the_model(ex, fresh_store):
+def test_the_map_names_every_variable_of_the_model_both_ways(ex, fresh_store):
     c = ex.Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2)
     model = ex.build(c)
-    targets = set()
-    for _, r in ex.hf_map(model):
-        for name in r if isinstance(r, tuple) else (r,):
-            targets.add(name.split("[")[0])
-    assert targets == {v.name for v in model.variables}
+    names = ex.hf_names(model)
+    for v in model.variables:
+        stacked = v.shape[0] == c.n_layer and names.checkpoint_name(v.name) is None
+        for label in [f"{v.name}[{i}]" for i in range(c.n_layer)] if stacked else [v.name]:
+            back = names.checkpoint_name(label)
+            assert back is not None, label
+            there = names.variable_name(back)
+            assert label in (there if isinstance(there, tuple) else (there,))
+    q = model.h.stacked["attn/weights/query/kernel"].name
+    assert names.checkpoint_name(f"{q}[1]") == "transformer.h.1.attn.c_attn.weight"
 
 
 def _values(variables):
@@ -95,17 +100,17 @@ def test_lora_in_bfloat16_with_ema_resumes_and_exports_to_transformers(ex, hf_di
         assert {v.dtype for v in model.variables} == {np.dtype("float32")}
         pretrained = _values(model.variables)
         tuner = ex.lora_tuner(model, directory=ckpt)
-        # LoRA went into both MLP Dense layers of the Repeat's blocks, stacked per block
-        assert [ly.scope_name for ly in tuner.layers] == [
+        # LoRA went into both MLP Dense layers of the Repeat's blocks and the attention's
+        # query and value projections, stacked per block
+        assert sorted(ly.scope_name for ly in tuner.layers) == [
             "gpt2/repeat/block/c_fc",
             "gpt2/repeat/block/c_proj",
+            "gpt2/repeat/block/multi_head_attention/query",
+            "gpt2/repeat/block/multi_head_attention/value",
         ]
-        assert sorted(v.name.rsplit("/", 1)[1] for v in tuner.lora) == [
-            "lora_kernel_a",
-            "lora_kernel_a",
-            "lora_kernel_b",
-            "lora_kernel_b",
-        ]
+        assert sorted(v.name.rsplit("/", 1)[1] for v in tuner.lora) == sorted(
+            ["lora_kernel_a", "lora_kernel_b"] * 4
+        )
         assert all(v.shape[0] == 2 and v.dtype == np.float32 for v in tuner.lora)
         assert [v.name for v in model.trainable_variables] == [v.name for v in tuner.lora]
         losses = tuner.train(batches, save_every=3)

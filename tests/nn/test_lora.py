@@ -245,7 +245,9 @@ def test_enable_lora_over_modules_bad_input_changes_nothing():
         ps.nn.enable_lora(model, 2, where="attn_in")
     model(IDS)
     before = snapshot(model)
-    with pytest.raises(ValueError, match=r"no Dense or Embedding layer .* where='nothing'.*head"):
+    with pytest.raises(
+        ValueError, match=r"no Dense, Embedding or attention projection .* where='nothing'.*head"
+    ):
         ps.nn.enable_lora(model, 2, where="nothing")
     with pytest.raises(TypeError, match=r"where must be a regular expression"):
         ps.nn.enable_lora(model, 2, where=ps.nn.Dense)  # type: ignore[arg-type]
@@ -257,3 +259,30 @@ def test_enable_lora_over_modules_bad_input_changes_nothing():
         ps.nn.enable_lora(model, 2)  # checked before the others change
     assert snapshot(model).keys() == before.keys()
     assert not model.embed.lora_enabled
+
+
+def test_merge_lora_in_a_repeat_keeps_frozen_kernels_frozen():
+    # Regression (issue 35): merge_lora gave the stacked kernel the template's flag, so a
+    # frozen kernel inside a Repeat became trainable again (a plain Dense stayed frozen).
+    model = Model()
+    model(IDS)
+    for v in model.variables:
+        v.trainable = False
+    ps.nn.enable_lora(model, 2, where=r"attn_in|mlp|head")
+    assert all("lora" in v.name for v in model.trainable_variables)
+    ps.nn.merge_lora(model)
+    assert [v.name for v in model.variables if v.trainable] == []
+
+
+def test_a_function_traced_before_enable_lora_computes_with_the_adapters():
+    # Regression (issue 35): it kept its program, computing without the adapters.
+    model = Model()
+    model(IDS)
+    model.trainable = False  # frozen before: enable_lora changes no trainable flag
+    loss = ps.function(lambda: jnp.mean(model(IDS) ** 2))
+    before = float(loss())
+    ps.nn.enable_lora(model, 2, where=r"head")
+    model.head.lora_kernel_b.assign(np.full(model.head.lora_kernel_b.shape, 0.5, np.float32))
+    eager = float(jnp.mean(model(IDS) ** 2))
+    assert abs(eager - before) > 1e-3
+    assert float(loss()) == pytest.approx(eager, rel=1e-5)

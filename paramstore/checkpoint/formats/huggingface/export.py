@@ -32,10 +32,11 @@ from paramstore.checkpoint.format import PathLike, dtype_name
 from paramstore.checkpoint.formats.huggingface.read import INDEX, SINGLE
 from paramstore.checkpoint.formats.safetensors.format import CODE_OF, check_name
 from paramstore.checkpoint.io import BUFFER
+from paramstore.checkpoint.namemap import Exported, NameMap
 from paramstore.scope import default_store
 from paramstore.variable import Variable
 
-Names = Mapping[str, str | None] | Callable[[str], str | None]
+Names = Mapping[str, str | None] | Callable[[str], str | None] | NameMap
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -96,26 +97,14 @@ def _tensors(variables: Any, names: Names | None) -> list[Tensor]:
                 )
     else:
         items = list(zip(*named(source)))
-    if isinstance(names, Mapping):
-        unknown = [k for k in names if k not in dict(items)]
-        if unknown:
-            raise ValueError(
-                f"export_safetensors: names renames '{unknown[0]}', which is none of the "
-                f"variables exported ({', '.join(k for k, _ in items[:5])}, ...)."
-            )
-        rename: Callable[[str], Any] = lambda k: names.get(k, k)  # noqa: E731
-    elif callable(names):
-        rename = names
-    elif names is None:
-        rename = lambda k: k  # noqa: E731
+    if isinstance(names, NameMap):  # turned around: checkpoint names, inverse transforms
+        renamed = names.exported(items)
     else:
-        raise TypeError(
-            f"export_safetensors: names must be a dict or a callable, got {type(names).__name__}."
-        )
+        rename = _renamer(names, items)
+        renamed = [(rename(k), k, v) for k, v in items]
     out: list[Tensor] = []
     taken: dict[str, str] = {}
-    for key, value in items:
-        file_name = rename(key)
+    for file_name, key, value in renamed:
         if file_name is None:
             continue
         if not isinstance(file_name, str) or not file_name:
@@ -130,11 +119,33 @@ def _tensors(variables: Any, names: Names | None) -> list[Tensor]:
                 f"'{file_name}'; give each its own name."
             )
         taken[file_name] = key
+        for source, _ in value.sources if isinstance(value, Exported) else ():
+            _check_value(key, source)
         _check_value(key, value)
         out.append((file_name, key, value))
     if not out:
         raise ValueError("export_safetensors: no variable to export.")
     return out
+
+
+def _renamer(names: Names | None, items: list[tuple[str, Any]]) -> Callable[[str], Any]:
+    """``names`` (a dict or a callable) as a function full name -> file name."""
+    if isinstance(names, Mapping):
+        unknown = [k for k in names if k not in dict(items)]
+        if unknown:
+            raise ValueError(
+                f"export_safetensors: names renames '{unknown[0]}', which is none of the "
+                f"variables exported ({', '.join(k for k, _ in items[:5])}, ...)."
+            )
+        return lambda k: names.get(k, k)
+    if callable(names):
+        return names
+    if names is None:
+        return lambda k: k
+    raise TypeError(
+        "export_safetensors: names must be a dict, a callable or a ps.checkpoint.NameMap, got "
+        f"{type(names).__name__}."
+    )
 
 
 def _check_value(key: str, value: Any) -> None:
