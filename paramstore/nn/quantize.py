@@ -72,8 +72,8 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
         )
     if not found:
         raise ValueError(
-            f"{me}: {_describe(module)} has no {what}: ps.nn.Dense, ps.nn.Embedding and "
-            "MultiHeadAttention, also inside a Repeat's blocks) can be quantized."
+            f"{me}: {_describe(module)} has no {what}: ps.nn.Dense and ps.nn.Embedding (also "
+            "inside a Repeat's blocks) can be quantized."
         )
     pattern = re.compile(where) if where is not None else None
     unique = list({id(ly): (ly, r) for ly, r in found}.values())  # a layer used twice: once

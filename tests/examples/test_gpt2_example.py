@@ -177,10 +177,8 @@ def test_qlora_quantizes_while_loading_plans_and_trains(ex, hf_dir, capsys):
         assert sorted(ly.scope_name for ly in run["quantized"]) == [
             "gpt2/repeat/block/c_fc",
             "gpt2/repeat/block/c_proj",
-            "gpt2/repeat/block/multi_head_attention",
         ]
         stacked = model.h.stacked
-        assert stacked["attn/weights/query/kernel"].dtype == np.int8
         assert set(want) == {k for k in stacked if "lora" not in k}
         for key in want:  # int8 values and scales equal loading the floats, then quantizing
             np.testing.assert_array_equal(stacked[key].numpy(), want[key], err_msg=key)
