@@ -15,12 +15,15 @@ Nothing here knows the file format; ``paramstore.checkpoint.formats.safetensors.
 
 from __future__ import annotations
 
+import collections
+import functools
+import io
 import os
 import queue
 import stat
 import threading
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -68,19 +71,32 @@ def _kind(mode: int) -> str:
 def open_regular(path: str, what: str = "Checkpoint") -> BinaryIO:
     """``path`` opened unbuffered for reading, refused (CheckpointError) unless it is a regular
     file: checked with ``stat`` before ``open`` and with ``fstat`` after it (opened with
-    ``O_NONBLOCK``, so a file swapped for a FIFO in between cannot block the open)."""
+    ``O_NONBLOCK``, so a file swapped for a FIFO in between cannot block the open).
+
+    An interrupt (Ctrl-C) landing anywhere closes the descriptor exactly once (issue 36):
+    the descriptor is recorded in ``held`` by the same C call that opens it, and leaves
+    ``held`` in the same C call that hands it to the file object (which then owns it), so
+    no signal handler can run while nothing, or two things, own it."""
     check_regular(path, what)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    held: list[int] = []
+    close_held = map(os.close, held)  # made now: the except clause's first call runs it
     try:
-        mode = os.fstat(fd).st_mode
+        _EXHAUST(map(held.append, map(os.open, (path,), (_READ_FLAGS,))))
+        mode = os.fstat(held[0]).st_mode
         if not stat.S_ISREG(mode):
             raise CheckpointError(f"{what} '{path}' is not a regular file ({_kind(mode)}).")
         if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return open(fd, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+            os.set_blocking(held[0], True)
+        file: BinaryIO = next(map(_READER, map(held.pop, (0,))))
+        return file
     except BaseException:
-        os.close(fd)
+        _EXHAUST(close_held)  # nothing once the file object owns the descriptor
         raise
+
+
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_READER = functools.partial(io.FileIO, mode="rb")  # owns (and closes) the descriptor
+_EXHAUST: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # in C
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
