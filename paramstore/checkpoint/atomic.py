@@ -30,6 +30,8 @@ import time
 from collections.abc import Collection, Iterator
 from typing import Any
 
+from paramstore._core.interrupts import deferred
+
 NAME_MAX = 255  # bytes of one file name (Linux, macOS, Windows)
 _TEMP_ROOM = 64  # bytes a temporary name may need beyond the base (and Orbax's own suffix)
 _LIVE: set[str] = set()  # this process's temporaries in use (a save or a removal runs)
@@ -162,7 +164,7 @@ def retire(path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    with live_temp(path) as aside:
+    with deferred(), live_temp(path) as aside:  # Ctrl-C: raised once the aside is gone
         try:
             os.rename(path, aside)
         except FileNotFoundError:
@@ -209,21 +211,22 @@ def install_dir(staging: str, path: str) -> None:
     old checkpoint or the new one, never neither) and the old one, now at the staging
     name, is deleted; elsewhere the old one is renamed aside first. The parent
     directory is fsynced."""
-    if os.path.islink(path):
-        os.unlink(path)  # a linked checkpoint loses its link, never its target
-    try:
-        os.rename(staging, path)  # nothing there (or an empty directory)
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise
-        if _exchange(staging, path):
-            remove_path(staging)  # the old checkpoint (a directory, or a file)
-        else:
-            with live_temp(path) as aside:
-                os.rename(path, aside)
-                os.rename(staging, path)
-                remove_path(aside)
-    fsync_dir(os.path.dirname(path))
+    with deferred():  # Ctrl-C: raised once the new one is in place and the old one gone
+        if os.path.islink(path):
+            os.unlink(path)  # a linked checkpoint loses its link, never its target
+        try:
+            os.rename(staging, path)  # nothing there (or an empty directory)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            if _exchange(staging, path):
+                remove_path(staging)  # the old checkpoint (a directory, or a file)
+            else:
+                with live_temp(path) as aside:
+                    os.rename(path, aside)
+                    os.rename(staging, path)
+                    remove_path(aside)
+        fsync_dir(os.path.dirname(path))
 
 
 def save_error(e: OSError, path: str, what: str = "checkpoint") -> OSError:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from paramstore._core.interrupts import deferred
 from paramstore.checkpoint.atomic import order_key
 from paramstore.checkpoint.format import CheckpointError, EntryInfo, PathLike, Reader
 from paramstore.checkpoint.formats.huggingface import read as _hf
@@ -87,12 +88,23 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
 def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
     """The reader of the checkpoint at ``path`` (``open_reader``), closed after the block; a
     checkpoint that a writer replaces or a manager prunes while it is opened or read is
-    read again (see ``Reopening``)."""
-    reader = Reopening(os.fspath(path), allow_unverified)
-    try:
-        yield reader
-    finally:
-        reader.close()
+    read again (see ``Reopening``). Where the read takes the path's lock (anything but a
+    regular file), an interrupt during the block is raised once it ends and the lock is
+    released."""
+    given = os.fspath(path)
+    # A path that is not a regular file (a sharded directory, a manager directory, a
+    # TensorFlow prefix) is read under its path's lock, and a sharded one through Orbax,
+    # whose threads and event loop an interrupt would leave behind (or turn into a
+    # "corrupt checkpoint"): signal handlers' exceptions (Ctrl-C) are held back until the
+    # block ends and the lock is released, then raised as they were (issue 36 item 10,
+    # issue 38 item 4). A regular file takes no lock and stops at once.
+    locks = not os.path.isfile(given)
+    with deferred() if locks else contextlib.nullcontext():
+        reader = Reopening(given, allow_unverified, locks)
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
 _ATTEMPTS = 5  # reads of a checkpoint that writers keep replacing, before giving up
@@ -119,11 +131,13 @@ class Reopening:
     again (a manager directory: its newest remaining checkpoint) and read again, up to
     ``_ATTEMPTS`` times; the values asked for must have the shapes and dtypes already
     checked, else CheckpointError. A failure of an unchanged checkpoint (corruption) is
-    raised at once.
+    raised at once. ``locks=False`` (a regular file) takes no lock; with a lock, use it
+    through ``opened``, which holds interrupts back until the lock is released.
     """
 
-    def __init__(self, given: str, allow_unverified: bool) -> None:
+    def __init__(self, given: str, allow_unverified: bool, locks: bool = True) -> None:
         self._asked = given
+        self._locks = locks  # whether ``given`` is read under its path's lock
         self._allow_unverified = allow_unverified
         self._stack = contextlib.ExitStack()
         self._reader: Reader
@@ -136,12 +150,12 @@ class Reopening:
         for attempt in range(_ATTEMPTS):
             stack = contextlib.ExitStack()
             try:
-                if not os.path.isfile(self._asked):
+                if self._locks:
                     stack.enter_context(path_lock(self._asked))
                 resolved = _resolve(self._asked)
                 if resolved != self._asked:
                     stack.close()  # never two path locks at once (they are striped)
-                    if os.path.isdir(resolved):
+                    if self._locks and os.path.isdir(resolved):
                         stack.enter_context(path_lock(resolved))
                 identity = _identity(resolved)
                 try:

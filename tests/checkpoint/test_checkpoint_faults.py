@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import _thread
 import gc
+import importlib.util
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from _bounded import in_thread
 from _interrupting import _tracer, count_events
 
+import paramstore as ps
 from paramstore.checkpoint import io as ckio
 
 BOUND = 120.0  # seconds for one sweep
@@ -106,3 +110,190 @@ def test_open_regular_interrupted_anywhere_closes_its_descriptor_exactly_once(tm
         assert raised >= 5
     finally:
         sys.unraisablehook = old_hook
+
+
+# ------------------------------------ sharded restores and saves (items 10, 12; 38.4)
+
+needs_orbax = pytest.mark.skipif(
+    importlib.util.find_spec("orbax") is None, reason="orbax-checkpoint missing"
+)
+
+
+def no_lock_held() -> None:
+    held = [i for i, lock in enumerate(ckio._PATH_LOCKS) if lock.locked()]
+    assert not held, f"path lock(s) {held} left taken"
+
+
+def settled_threads(before: set[str], timeout: float = 10.0) -> set[str]:
+    """The names of threads started since ``before`` that are still alive after waiting up
+    to ``timeout`` for them to end."""
+    deadline = time.monotonic() + timeout
+    while True:
+        extra = {t.name for t in threading.enumerate()} - before
+        if not extra or time.monotonic() > deadline:
+            return extra
+        time.sleep(0.01)
+
+
+@needs_orbax
+def test_a_sharded_restore_interrupted_anywhere_raises_the_interrupt_and_releases_everything(
+    tmp_path,
+):
+    """Ctrl-C during a sharded restore was reported as a corrupt checkpoint (issue 36
+    item 10), or lost, or left the path lock taken so that the next read waited forever
+    (issue 38 item 4), or left Orbax's threads behind."""
+    w = ps.Variable(np.arange(8, dtype=np.float32), name="w")
+    path = ps.Saver([w], sharded=True).save(tmp_path / "ckpt-1")
+    saved = np.arange(8, dtype=np.float32)
+
+    def op() -> None:
+        ps.Saver([w]).restore(path)
+
+    op()  # warm: Orbax imported, its programs compiled
+    threads = {t.name for t in threading.enumerate()}
+    start = time.monotonic()
+    raised = 0
+    for k in points(op, most=30):
+        w.assign(np.zeros(8, np.float32))
+        fired, error = interrupted(op, k)
+        assert error is None or isinstance(error, KeyboardInterrupt), (k, repr(error))
+        assert fired == (error is not None), (k, fired, repr(error))
+        raised += error is not None
+        no_lock_held()
+        assert w.numpy().tolist() in (saved.tolist(), [0.0] * 8)
+        got = in_thread(lambda: ps.checkpoint.load_variable(path, "w"))  # bounded
+        assert got is None, repr(got)
+        assert time.monotonic() - start < BOUND
+    assert raised >= 10
+    assert not settled_threads(threads), "threads left behind"
+
+
+def staged(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("."))
+
+
+@needs_orbax
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_sharded_save_interrupted_anywhere_leaves_no_temporary(tmp_path, async_save):
+    """An interrupted sharded save left its ``.tmp-<pid>-*`` staging directory (or Orbax's)
+    behind, which nothing removed while the process lived (issue 36 item 12)."""
+    w = ps.Variable(np.zeros(8, np.float32), name="w")
+    directory = tmp_path / "run"
+    manager = ps.CheckpointManager(directory, [w], sharded=True, async_save=async_save)
+    manager.save(1)
+    manager.wait()
+    path = str(directory / "ckpt-1")
+
+    def op() -> None:
+        manager.save(1)
+        manager.wait()
+
+    op()
+    threads = {t.name for t in threading.enumerate()}
+    start = time.monotonic()
+    raised = 0
+    for i, k in enumerate(points(op, most=30)):
+        old = ps.checkpoint.load_variable(path, "w").tolist()
+        w.assign(np.full(8, i + 1.0, np.float32))
+        fired, error = interrupted(op, k)
+        assert error is None or isinstance(error, KeyboardInterrupt), (k, repr(error))
+        raised += error is not None
+        got = in_thread(lambda: manager.wait())  # bounded: a save in flight finishes
+        assert got is None, repr(got)
+        no_lock_held()
+        assert staged(directory) == [], (k, staged(directory))
+        now = ps.checkpoint.load_variable(path, "w").tolist()
+        assert now in (old, [i + 1.0] * 8), (k, now)
+        assert time.monotonic() - start < BOUND
+    assert raised >= 10
+    assert not settled_threads(threads), "threads left behind"
+
+
+# ---------------------------------------------- an interrupted manager.wait() (item 5)
+
+
+def interrupt_main_after(seconds: float) -> threading.Timer:
+    """A real SIGINT to the main thread after ``seconds`` (it wakes a blocked wait, which
+    ``_thread.interrupt_main`` does not)."""
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def blocked_writes(
+    monkeypatch, sharded: bool, fail: bool
+) -> tuple[threading.Event, threading.Event]:
+    """Make the background part of the next save wait for the first returned Event (then
+    fail with a full disk, with ``fail``); the second is set once it wrote."""
+    go, wrote = threading.Event(), threading.Event()
+    if sharded:
+        module, name = ps.checkpoint.formats.orbax.integrity, "write_json"
+    else:
+        module, name = ps.checkpoint.manager, "write_arrays"
+    real = getattr(module, name)
+
+    def slow(*args, **kwargs):
+        assert go.wait(BOUND)
+        try:
+            if fail:
+                raise OSError(28, "No space left on device")
+            return real(*args, **kwargs)
+        finally:
+            wrote.set()
+
+    monkeypatch.setattr(module, name, slow)
+    return go, wrote
+
+
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=needs_orbax)])
+def test_an_interrupted_wait_leaves_the_save_pending_and_its_error_raised_later(
+    tmp_path, monkeypatch, sharded
+):
+    w = ps.Variable(np.ones(4, np.float32), name="w")
+    manager = ps.CheckpointManager(tmp_path, [w], async_save=True, sharded=sharded)
+    manager.save(1)
+    manager.wait()
+    go, _ = blocked_writes(monkeypatch, sharded, fail=True)
+    manager.save(2)
+    timer = interrupt_main_after(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        manager.wait()
+    timer.join()
+    threading.Timer(0.3, go.set).start()
+    error = in_thread(manager.wait)  # still pending: it waits, then raises the save's error
+    assert isinstance(error, OSError) and "No space left" in str(error), repr(error)
+    assert in_thread(manager.wait) is None  # raised once
+    assert [os.path.basename(p) for p in manager.checkpoints] == [
+        "ckpt-1" if sharded else "ckpt-1.safetensors"
+    ]
+    no_lock_held()
+
+
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=needs_orbax)])
+def test_an_interrupted_wait_never_lets_its_prune_delete_what_checkpoints_listed(
+    tmp_path, monkeypatch, sharded
+):
+    w = ps.Variable(np.ones(4, np.float32), name="w")
+    manager = ps.CheckpointManager(tmp_path, [w], max_to_keep=1, async_save=True, sharded=sharded)
+    manager.save(1)
+    manager.wait()
+    go, wrote = blocked_writes(monkeypatch, sharded, fail=False)
+    w.assign(np.full(4, 2.0, np.float32))
+    manager.save(2)
+    timer = interrupt_main_after(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        manager.wait()
+    timer.join()
+    threading.Timer(0.3, go.set).start()
+    listed: list[list[str]] = []
+    assert in_thread(lambda: listed.append(manager.checkpoints)) is None
+    assert in_thread(manager.wait) is None
+    assert wrote.wait(BOUND)
+    time.sleep(0.3)  # (a save orphaned by the interrupt, as before the fix, prunes now)
+    for path in listed[0]:  # each one listed is still there, and restores
+        assert os.path.exists(path), (listed, os.listdir(tmp_path))
+    assert manager.restore_latest() == listed[0][-1]
+    assert w.numpy().tolist() == [2.0] * 4
+    no_lock_held()
