@@ -9,12 +9,15 @@ from __future__ import annotations
 import _thread
 import gc
 import importlib.util
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -297,3 +300,202 @@ def test_an_interrupted_wait_never_lets_its_prune_delete_what_checkpoints_listed
     assert manager.restore_latest() == listed[0][-1]
     assert w.numpy().tolist() == [2.0] * 4
     no_lock_held()
+
+
+# --------------------------------------------------- sharded re-exports (item 1)
+
+_TENSORS = 6
+
+
+def export(directory, fill: float) -> str:
+    arrays = {f"t{i}": np.full(256, fill, np.float32) for i in range(_TENSORS)}
+    return ps.checkpoint.export_safetensors(directory, arrays, max_shard_size=2 * 1024)
+
+
+class Replaced(Exception):
+    """The index was replaced while its shards were read: the read saw no one export."""
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_ctime_ns, st.st_mtime_ns
+
+
+def exported(directory) -> float:
+    """The one value every tensor of the export in ``directory`` holds, read as
+    ``transformers`` reads it (the index's shards through the ``safetensors`` library);
+    AssertionError for a mix of two exports under one index, ``Replaced`` where the index
+    changed during the read (a reader then reads again)."""
+    from safetensors.numpy import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    before = _identity(index)
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert sorted(weight_map) == [f"t{i}" for i in range(_TENSORS)]
+    values: set[float] = set()
+    files = [os.path.join(directory, file) for file in sorted(set(weight_map.values()))]
+    seen = [_identity(file) for file in files]
+    for file in files:
+        for name, arr in load_file(file).items():
+            assert weight_map[name] == os.path.basename(file)
+            values.update(np.unique(arr).tolist())
+    if [_identity(index)] + [_identity(file) for file in files] != [before, *seen]:
+        raise Replaced(index)
+    assert len(values) == 1, f"tensors of several exports under one index: {values}"
+    return values.pop()
+
+
+def export_leftovers(directory) -> list[str]:
+    """Temporaries, and shard files that the index does not list."""
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        listed = set(json.load(f)["weight_map"].values())
+    return sorted(
+        n
+        for n in os.listdir(directory)
+        if n.startswith(".") or (n.endswith(".safetensors") and n not in listed)
+    )
+
+
+def test_a_sharded_re_export_interrupted_anywhere_leaves_one_whole_export(tmp_path):
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    export(directory, 1.0)
+    start = time.monotonic()
+    raised = 0
+    for i, k in enumerate(points(lambda: export(directory, 2.0), most=60)):
+        old = exported(directory)
+        new = 10.0 + i
+        fired, error = interrupted(lambda new=new: export(directory, new), k)
+        assert error is None or isinstance(error, KeyboardInterrupt), (k, repr(error))
+        raised += error is not None
+        assert exported(directory) in (old, new), k
+        assert export_leftovers(directory) == [], (k, export_leftovers(directory))
+        assert (directory / "config.json").read_text() == "{}"
+        assert time.monotonic() - start < BOUND
+    assert raised >= 20
+
+
+_EXPORTS = """
+import sys
+import numpy as np
+import paramstore as ps
+directory, base = sys.argv[1], float(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()
+for j in range(25):
+    arrays = {f"t{i}": np.full(256, base + j, np.float32) for i in range(6)}
+    ps.checkpoint.export_safetensors(directory, arrays, max_shard_size=2 * 1024)
+"""
+
+
+def child_env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.slow
+def test_concurrent_sharded_exports_into_one_directory_leave_one_whole_export(tmp_path):
+    """Two processes export into one directory at once while this one reads it."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    export(directory, 0.0)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _EXPORTS, str(directory), str(base)],
+            env=child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for base in (100.0, 200.0)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        reads = 0
+        deadline = time.monotonic() + BOUND
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "the exports hung"
+            try:
+                exported(directory)  # never a mix of two exports
+                reads += 1
+            except (FileNotFoundError, Replaced):  # a commit meanwhile: read again
+                pass
+        for p in procs:
+            assert p.wait() == 0, p.stderr.read()[-3000:] if p.stderr else ""
+    finally:
+        for p in procs:
+            p.kill()
+    assert exported(directory) in (124.0, 224.0)
+    assert export_leftovers(directory) == []
+    assert reads, "the reader never read an export"
+
+
+_KILLED_EXPORT = """
+import os, signal, sys
+import numpy as np
+import paramstore as ps
+directory, at, fill = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+count = [0]
+for name in ("replace", "link", "unlink", "rename"):
+    real = getattr(os, name)
+    def call(*args, real=real, **kwargs):
+        count[0] += 1
+        if count[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    setattr(os, name, call)
+arrays = {f"t{i}": np.full(256, fill, np.float32) for i in range(6)}
+ps.checkpoint.export_safetensors(directory, arrays, max_shard_size=2 * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_re_export_leaves_one_whole_export_and_the_next_one_cleans_up(tmp_path):
+    env = child_env()
+    directory = tmp_path / "model"
+    directory.mkdir()
+    export(directory, 1.0)
+    kills = 0
+    for at in range(1, 40):
+        old = exported(directory)
+        done = subprocess.run(
+            [sys.executable, "-c", _KILLED_EXPORT, str(directory), str(at), str(at + 10.0)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode in (0, -signal.SIGKILL), done.stderr[-3000:]
+        assert exported(directory) in (old, at + 10.0), at
+        if done.returncode == 0:
+            break
+        kills += 1
+    assert kills >= 8, kills
+    export(directory, 99.0)  # the next export removes what the killed ones left
+    assert exported(directory) == 99.0
+    assert export_leftovers(directory) == []
+
+
+def test_a_big_endian_array_is_exported_little_endian(tmp_path):
+    """It was refused as "float32, which safetensors cannot hold" (issue 36 item 15)."""
+    from safetensors.numpy import load_file
+
+    values = {"be": np.arange(6, dtype=">f4").reshape(2, 3), "le": np.arange(3, dtype="<i4")}
+    path = ps.checkpoint.export_safetensors(tmp_path / "m.safetensors", values)
+    got = load_file(path)
+    assert got["be"].dtype == np.dtype("<f4") and got["be"].tolist() == values["be"].tolist()
+    assert got["le"].tolist() == [0, 1, 2]
+    assert ps.checkpoint.load_variable(path, "be", allow_unverified=True).tolist() == [
+        [0.0, 1.0, 2.0],
+        [3.0, 4.0, 5.0],
+    ]
