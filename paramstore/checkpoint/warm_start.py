@@ -206,6 +206,7 @@ def _source(r: Reader, t: Target, chain: list[Any], cast: bool) -> Any:
     value: Any = view if view is not None else _whole(r, t.ckpt)
     if not chain:
         return value
+    value = np.asarray(value)  # a transform gets an array (a view is read whole here)
     for fn in chain:
         shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
         try:

@@ -499,3 +499,91 @@ def test_a_big_endian_array_is_exported_little_endian(tmp_path):
         [0.0, 1.0, 2.0],
         [3.0, 4.0, 5.0],
     ]
+
+
+# ------------------------------------------- Hugging Face files (items 6, 14, 15)
+
+_TRUNCATED_WHILE_READ = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+import paramstore as ps
+from safetensors.numpy import save_file
+path = sys.argv[1]
+save_file({"w": np.ones((64, 1024), np.float32)}, path)
+with open(path, "rb") as f:
+    header_end = 8 + int.from_bytes(f.read(8), "little")
+layout = ps.sharding.LayoutMap(jax.make_mesh((8,), ("d",)))
+layout["w"] = ("d", None)
+with ps.abstract(), ps.device(layout):
+    w = ps.Variable(jax.ShapeDtypeStruct((64, 1024), jnp.float32), name="w")
+real = np.copyto
+def copyto(*args, **kwargs):  # the file is cut back to its header in place (a re-download)
+    os.truncate(path, header_end)
+    return real(*args, **kwargs)
+np.copyto = copyto
+try:
+    ps.checkpoint.init_from_checkpoint(path, {"w": w}, allow_unverified=True)
+except ps.checkpoint.CheckpointError as e:
+    print("CheckpointError:", e)
+    sys.exit(3)
+print("returned")
+"""
+
+
+def test_a_hugging_face_file_truncated_while_it_is_read_is_a_checkpoint_error(tmp_path):
+    """It killed the interpreter with SIGBUS (a memory map read past the file's new end)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TRUNCATED_WHILE_READ, str(tmp_path / "model.safetensors")],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, (done.returncode, done.stderr[-3000:])
+    assert "is truncated inside tensor 'w'" in done.stdout, done.stdout
+
+
+def hf_cache_layout(root: Path) -> Path:
+    """A sharded model as ``huggingface_hub`` caches it: every file of
+    ``snapshots/<revision>/`` a relative link to its content in ``../../blobs``."""
+    export(root / "export", 3.0)  # an export dir would do: make it first
+    blobs = root / "models--org--name" / "blobs"
+    snapshot = root / "models--org--name" / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(root / "export"))):
+        os.replace(root / "export" / name, blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / name)
+    return snapshot
+
+
+def test_a_sharded_model_in_the_hugging_face_cache_layout_loads(tmp_path):
+    """Its shards were refused as "a link outside its directory" (issue 36 item 14)."""
+    snapshot = hf_cache_layout(tmp_path)
+    assert exported(snapshot) == 3.0  # (what transformers reads)
+    names = [n for n, _, _ in ps.checkpoint.list_variables(snapshot, allow_unverified=True)]
+    assert names == [f"t{i}" for i in range(_TENSORS)]
+    v = ps.Variable(np.zeros(256, np.float32), name="v")
+    ps.checkpoint.init_from_checkpoint(snapshot, {"t4": v}, allow_unverified=True)
+    assert v.numpy().tolist() == [3.0] * 256
+    u = ps.Variable(np.zeros(256, np.float32), name="u")
+    ps.Saver({"t5": u}).restore(snapshot, allow_unverified=True)
+    assert u.numpy().tolist() == [3.0] * 256
+
+
+def test_a_shard_that_is_a_dangling_link_or_not_a_file_is_a_checkpoint_error(tmp_path):
+    snapshot = hf_cache_layout(tmp_path)
+    first = snapshot / "model-00001-of-00003.safetensors"
+    target = os.path.realpath(first)
+    os.remove(target)
+    v = ps.Variable(np.zeros(256, np.float32), name="v")
+    with pytest.raises(
+        ps.checkpoint.CheckpointError, match=r"does not exist \(a link to nothing\)"
+    ):
+        ps.checkpoint.init_from_checkpoint(snapshot, {"t0": v}, allow_unverified=True)
+    os.mkfifo(target)  # a link to a FIFO: refused before anything opens it
+    error = in_thread(lambda: ps.checkpoint.list_variables(snapshot, allow_unverified=True))
+    assert isinstance(error, ps.checkpoint.CheckpointError), repr(error)
+    assert "is not a regular file (a FIFO)" in str(error)
+    assert not v.numpy().any()
