@@ -22,6 +22,7 @@ import os
 import queue
 import stat
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, BinaryIO
@@ -209,18 +210,14 @@ class Checksums:
     def start(self) -> None:
         """Start the worker on the queued buffers (once)."""
         if self._queued and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._work, name="paramstore-checksum", daemon=True
+            thread = threading.Thread(
+                target=_work,
+                args=(self._jobs, weakref.ref(self)),
+                name="paramstore-checksum",
+                daemon=True,
             )
-            self._thread.start()
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            h, data = job
-            try:
-                h.update(data)
-            except BaseException as e:  # pragma: no cover - hashes do not fail on buffers
-                self._error = e
+            thread.start()  # (interrupted inside, it is not joined: ``_work`` ends alone)
+            self._thread = thread
 
     def _stop(self) -> None:
         if self._thread is not None:
@@ -237,6 +234,31 @@ class Checksums:
         out = {k: h.hexdigest() for k, h in self._hashes.items()}
         out.update(self._digests)
         return out
+
+
+def _work(jobs: queue.SimpleQueue[tuple[_Hash, memoryview] | None], owner: Any) -> None:
+    """The checksum worker: runs the jobs until the ``None`` that ``_stop`` queues, or, if
+    an interrupt cut the owner's exit short before it was queued, until the owner
+    (``weakref`` to a ``Checksums``) is gone: no thread is left waiting forever."""
+    while True:
+        try:
+            job = jobs.get(timeout=_IDLE)
+        except queue.Empty:
+            if owner() is None:
+                return
+            continue
+        if job is None:
+            return
+        h, data = job
+        try:
+            h.update(data)
+        except BaseException as e:  # pragma: no cover - hashes do not fail on buffers
+            holder = owner()
+            if holder is not None:
+                holder._error = e
+
+
+_IDLE = 0.5  # seconds between the worker's looks at whether its owner is gone
 
 
 # ---------------------------------------------------------------------- writes

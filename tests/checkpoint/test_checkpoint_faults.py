@@ -587,3 +587,42 @@ def test_a_shard_that_is_a_dangling_link_or_not_a_file_is_a_checkpoint_error(tmp
     assert isinstance(error, ps.checkpoint.CheckpointError), repr(error)
     assert "is not a regular file (a FIFO)" in str(error)
     assert not v.numpy().any()
+
+
+# ------------------------------------------- single-file saves and restores (the class)
+
+
+@pytest.mark.parametrize("op", ["save", "restore"])
+def test_a_single_file_save_or_restore_interrupted_anywhere_leaves_nothing_behind(tmp_path, op):
+    """Big tensors are checksummed by a worker thread: an interrupt that cut the exit of
+    the save or read short left that thread waiting forever; and no temporary stays."""
+    w = ps.Variable(np.zeros(2**19 + 7, np.float32), name="w")  # > 1 MiB: the worker runs
+    path = str(tmp_path / "ckpt.safetensors")
+    ps.Saver([w]).save(path)
+    saver = ps.Saver([w])
+
+    def run() -> None:
+        if op == "save":
+            saver.save(path)
+        else:
+            saver.restore(path)
+
+    run()
+    gc.collect()
+    threads = {t.name for t in threading.enumerate()}
+    start = time.monotonic()
+    raised = 0
+    for i, k in enumerate(points(run, most=40)):
+        w.assign(np.full(w.shape, float(i + 1), np.float32))
+        old = ps.checkpoint.load_variable(path, "w")[:2].tolist()
+        fired, error = interrupted(run, k)
+        assert error is None or isinstance(error, KeyboardInterrupt), (k, repr(error))
+        raised += error is not None
+        del error
+        assert os.listdir(tmp_path) == ["ckpt.safetensors"], (k, os.listdir(tmp_path))
+        now = ps.checkpoint.load_variable(path, "w")[:2].tolist()
+        assert now in (old, [i + 1.0] * 2), (k, now)
+        assert time.monotonic() - start < BOUND
+    assert raised >= 10
+    gc.collect()
+    assert not settled_threads(threads), "threads left behind"
