@@ -5,13 +5,17 @@
 * ``install_dir`` / ``retire``: a sharded checkpoint directory put in place (swapped with the
   old one atomically where the system can) or removed without a reader ever seeing half of
   it; ``fsync_dir`` for the renames of single files.
-* ``remove_stale_temps``: the leftovers of failed or killed saves, never a live writer's.
+* ``remove_stale_temps``: the leftovers of failed or killed saves, never a live writer's;
+  ``remove_temps``: one operation's temporaries (named with one ``new_token()``).
+* ``directory_lock``: a directory held against other processes and threads (``flock``),
+  for commits of several files (``export_safetensors`` into a directory).
 * ``save_error``: a failed write (full or read-only disk) as an ``OSError`` naming the path.
 * ``set_newest`` / ``order_key``: the write order ``CheckpointManager`` keeps, in the
   checkpoints' modification times.
 
 The file format writers (``checkpoint.formats.*``) and the manager use these; nothing here
-knows a format.
+knows a format. ``install_dir`` and ``retire`` hold Ctrl-C back until they end (each is
+whole).
 """
 
 from __future__ import annotations

@@ -224,9 +224,9 @@ def test_values_are_read_through_views_one_at_a_time(hf, fresh_store, monkeypatc
     """A Hugging Face tensor is read through a view of its own bytes (a FileTensor), never
     loaded whole by the reader."""
     viewed = []
-    real = hf_read.FileTensor._read
+    real = hf_read.FileTensor._fill
     monkeypatch.setattr(
-        hf_read.FileTensor, "_read", lambda t, a, b: viewed.append(t._e.name) or real(t, a, b)
+        hf_read.FileTensor, "_fill", lambda t, a, b: viewed.append(t._e.name) or real(t, a, b)
     )
     monkeypatch.setattr(hf_read.PlainSafetensors, "load", lambda *a: pytest.fail("whole load"))
     a, b = zeros("a", (4, 6)), zeros("b", (6,))

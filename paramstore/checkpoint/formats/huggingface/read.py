@@ -104,6 +104,31 @@ class FileTensor:
         rows = self._rows(start, stop)
         return rows[(slice(None), *parts[1:])]
 
+    def read_into(self, index: Any, out: np.ndarray) -> bool:
+        """Read ``self[index]`` straight into ``out`` (one copy, from the page cache into
+        ``out``) where ``index`` selects whole rows (a step-1 range of the first axis, all
+        of the others) and ``out`` is a C-contiguous array of the tensor's dtype; False
+        (nothing read) otherwise."""
+        parts = index if isinstance(index, tuple) else (index,)
+        if not self.ndim or not parts or not isinstance(parts[0], slice):
+            return False
+        start, stop, step = parts[0].indices(self.shape[0])
+        whole = all(
+            isinstance(p, slice) and p.indices(n) == (0, n, 1)
+            for p, n in zip(parts[1:], self.shape[1:])
+        )
+        if (
+            step != 1
+            or stop <= start
+            or not whole
+            or out.dtype != self.dtype.newbyteorder("<")
+            or not out.flags.c_contiguous
+            or out.shape != (stop - start, *self.shape[1:])
+        ):
+            return False
+        self._fill(out.reshape(-1).view(np.uint8), start)
+        return True
+
     def _rows(self, start: int, stop: int) -> np.ndarray:
         kept = self._kept
         if kept is not None and kept[0] <= start and stop <= kept[1]:
@@ -115,9 +140,15 @@ class FileTensor:
     def _read(self, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` (all of a 0-d tensor) in a new array."""
         e = self._e
-        row = math.prod(e.shape[1:]) * e.dtype.itemsize if e.shape else e.nbytes
         shape = (stop - start, *e.shape[1:]) if e.shape else ()
-        buf = aligned_empty((stop - start) * row if e.shape else e.nbytes)
+        buf = aligned_empty(math.prod(shape) * e.dtype.itemsize)
+        self._fill(buf, start)
+        return buf.view(e.dtype.newbyteorder("<")).reshape(shape)
+
+    def _fill(self, buf: np.ndarray, start: int) -> None:
+        """``buf`` (uint8) filled with the tensor's bytes from row ``start`` on."""
+        e = self._e
+        row = math.prod(e.shape[1:]) * e.dtype.itemsize if e.shape else 0
         view, got, offset = buf.data, 0, e.start + start * row
         while got < buf.size:
             n = os.preadv(self._fileno, [view[got : got + CHUNK]], offset + got)
@@ -128,13 +159,11 @@ class FileTensor:
                     "or cp). Read it again once it is complete."
                 )
             got += n
-        arr = buf.view(e.dtype.newbyteorder("<")).reshape(shape)
         if e.code == "BOOL" and buf.size and buf.max() > 1:
             raise CheckpointError(
                 f"Checkpoint '{self._path}' is corrupt: bool tensor '{e.name}' holds bytes "
                 "other than 0 and 1."
             )
-        return arr
 
 
 class ShardedSafetensors:
