@@ -26,6 +26,7 @@ from _bounded import in_thread
 from _interrupting import _tracer, count_events
 
 import paramstore as ps
+from paramstore.checkpoint import atomic
 from paramstore.checkpoint import io as ckio
 
 BOUND = 120.0  # seconds for one sweep
@@ -629,3 +630,19 @@ def test_a_single_file_save_or_restore_interrupted_anywhere_leaves_nothing_behin
     assert raised >= 10
     gc.collect()
     assert not settled_threads(threads), "threads left behind"
+
+
+def test_a_sharded_export_to_a_new_directory_interrupted_anywhere_is_whole_or_absent(tmp_path):
+    target = tmp_path / "model"
+    start = time.monotonic()
+    raised = 0
+    for k in points(lambda: export(target, 2.0) and atomic.remove_path(str(target)), most=40):
+        fired, error = interrupted(lambda: export(target, 5.0), k)
+        assert error is None or isinstance(error, KeyboardInterrupt), (k, repr(error))
+        raised += error is not None
+        assert [n for n in os.listdir(tmp_path) if n != "model"] == [], os.listdir(tmp_path)
+        if target.exists():
+            assert exported(target) == 5.0 and export_leftovers(target) == [], k
+            atomic.remove_path(str(target))
+        assert time.monotonic() - start < BOUND
+    assert raised >= 10
