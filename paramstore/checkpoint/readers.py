@@ -88,22 +88,30 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
 def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
     """The reader of the checkpoint at ``path`` (``open_reader``), closed after the block; a
     checkpoint that a writer replaces or a manager prunes while it is opened or read is
-    read again (see ``Reopening``). Where the read takes the path's lock (anything but a
-    regular file), an interrupt during the block is raised once it ends and the lock is
-    released."""
+    read again (see ``Reopening``).
+
+    A read that holds a checkpoint path's lock (a sharded directory, the sharded latest of
+    a manager directory, a TensorFlow prefix) holds signal handlers' exceptions (Ctrl-C)
+    back until the block ends and the lock is released, then raises them as they were: an
+    interrupt meanwhile would leave the lock taken (the next read or save of that path
+    waiting forever) or Orbax's threads running, and came back as a "corrupt checkpoint"
+    (issue 36 item 10, issue 38 item 4). A regular file (also one a directory resolves to,
+    a Hugging Face model directory's) takes no lock and stops at once."""
     given = os.fspath(path)
-    # A path that is not a regular file (a sharded directory, a manager directory, a
-    # TensorFlow prefix) is read under its path's lock, and a sharded one through Orbax,
-    # whose threads and event loop an interrupt would leave behind (or turn into a
-    # "corrupt checkpoint"): signal handlers' exceptions (Ctrl-C) are held back until the
-    # block ends and the lock is released, then raised as they were (issue 36 item 10,
-    # issue 38 item 4). A regular file takes no lock and stops at once.
     locks = not os.path.isfile(given)
-    with deferred() if locks else contextlib.nullcontext():
-        reader = Reopening(given, allow_unverified, locks)
-        try:
-            yield reader
-        finally:
+    reader: Reopening | None = None
+    try:
+        with deferred() if locks else contextlib.nullcontext():
+            reader = Reopening(given, allow_unverified, locks)
+            if reader.locked:
+                try:
+                    yield reader
+                finally:
+                    reader.close()
+                return
+        yield reader  # no lock held: Ctrl-C stops the read at once
+    finally:
+        if reader is not None:
             reader.close()
 
 
@@ -144,18 +152,22 @@ class Reopening:
         self.path = self.description = ""
         self._resolved = ""
         self._identity: tuple[int, int] | None = None
+        self.locked = False  # whether the open checkpoint's path lock is held
         self._open()
 
     def _open(self) -> None:
         for attempt in range(_ATTEMPTS):
             stack = contextlib.ExitStack()
+            locked = False
             try:
                 if self._locks:
                     stack.enter_context(path_lock(self._asked))
+                    locked = True
                 resolved = _resolve(self._asked)
                 if resolved != self._asked:
                     stack.close()  # never two path locks at once (they are striped)
-                    if self._locks and os.path.isdir(resolved):
+                    locked = self._locks and os.path.isdir(resolved)
+                    if locked:
                         stack.enter_context(path_lock(resolved))
                 identity = _identity(resolved)
                 try:
@@ -174,7 +186,7 @@ class Reopening:
             except BaseException:
                 stack.close()
                 raise
-            self._stack, self._reader = stack, reader
+            self._stack, self._reader, self.locked = stack, reader, locked
             self._resolved, self._identity = resolved, identity
             self.path, self.description = reader.path, reader.description
             return

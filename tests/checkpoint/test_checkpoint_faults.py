@@ -646,3 +646,24 @@ def test_a_sharded_export_to_a_new_directory_interrupted_anywhere_is_whole_or_ab
             atomic.remove_path(str(target))
         assert time.monotonic() - start < BOUND
     assert raised >= 10
+
+
+def test_ctrl_c_stops_a_read_of_a_hugging_face_directory_at_once(tmp_path):
+    """Only a read holding a path lock (a sharded directory) holds Ctrl-C back until it
+    ends; a Hugging Face model directory resolves to a file: no lock, and an interrupt
+    stops it where it lands (nothing assigned)."""
+    export(tmp_path / "model", 4.0)
+    v = ps.Variable(np.zeros(256, np.float32), name="v")
+
+    def op() -> None:
+        ps.checkpoint.init_from_checkpoint(tmp_path / "model", {"t3": v}, allow_unverified=True)
+
+    op()
+    stopped = 0
+    for k in points(op, most=9)[1:-1]:
+        v.assign(np.zeros(256, np.float32))
+        fired, error = interrupted(op, k)
+        assert fired and isinstance(error, KeyboardInterrupt), (k, repr(error))
+        stopped += not v.numpy().any()
+        no_lock_held()
+    assert stopped >= 4, stopped
