@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import xxhash
 
+from paramstore._core.interrupts import deferred
 from paramstore.checkpoint.format import CheckpointError
 
 CHUNK = 16 * 2**20  # bytes per write/read call and checksum job
@@ -216,8 +217,11 @@ class Checksums:
                 name="paramstore-checksum",
                 daemon=True,
             )
-            thread.start()  # (interrupted inside, it is not joined: ``_work`` ends alone)
-            self._thread = thread
+            # Held back over the start: CPython's Thread.start waits on a Condition, whose
+            # exit an interrupt turns into "RuntimeError: release unlocked lock".
+            with deferred():
+                thread.start()
+                self._thread = thread
 
     def _stop(self) -> None:
         if self._thread is not None:
