@@ -211,8 +211,10 @@ def _header(shard: list[Tensor]) -> bytes:
 def _native(dtype: Any) -> np.dtype:
     """``dtype`` in this machine's byte order (a big-endian float32 is a float32: it is
     written little-endian, as safetensors stores every value)."""
-    dt = np.dtype(dtype)
-    return dt.newbyteorder("=") if dt.byteorder in "<>" else dt
+    dt: np.dtype = np.dtype(dtype)
+    if dt.byteorder in "<>":
+        dt = dt.newbyteorder("=")
+    return dt
 
 
 def _host(value: Any) -> np.ndarray:

@@ -96,13 +96,13 @@ class FileTensor:
 
     def __getitem__(self, index: Any) -> np.ndarray:
         parts = index if isinstance(index, tuple) else (index,)
-        if not self.ndim or not parts or not isinstance(parts[0], slice):
-            return np.asarray(self)[index]
-        start, stop, step = parts[0].indices(self.shape[0])
-        if step != 1 or stop <= start:
-            return np.asarray(self)[index]
-        rows = self._rows(start, stop)
-        return rows[(slice(None), *parts[1:])]
+        if self.ndim and parts and isinstance(parts[0], slice):
+            start, stop, step = parts[0].indices(self.shape[0])
+            if step == 1 and stop > start:  # only the rows selected are read
+                picked: np.ndarray = self._rows(start, stop)[(slice(None), *parts[1:])]
+                return picked
+        chosen: np.ndarray = np.asarray(self)[index]
+        return chosen
 
     def read_into(self, index: Any, out: np.ndarray) -> bool:
         """Read ``self[index]`` straight into ``out`` (one copy, from the page cache into
