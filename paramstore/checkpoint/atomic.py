@@ -5,13 +5,17 @@
 * ``install_dir`` / ``retire``: a sharded checkpoint directory put in place (swapped with the
   old one atomically where the system can) or removed without a reader ever seeing half of
   it; ``fsync_dir`` for the renames of single files.
-* ``remove_stale_temps``: the leftovers of failed or killed saves, never a live writer's.
+* ``remove_stale_temps``: the leftovers of failed or killed saves, never a live writer's;
+  ``remove_temps``: one operation's temporaries (named with one ``new_token()``).
+* ``directory_lock``: a directory held against other processes and threads (``flock``),
+  for commits of several files (``export_safetensors`` into a directory).
 * ``save_error``: a failed write (full or read-only disk) as an ``OSError`` naming the path.
 * ``set_newest`` / ``order_key``: the write order ``CheckpointManager`` keeps, in the
   checkpoints' modification times.
 
 The file format writers (``checkpoint.formats.*``) and the manager use these; nothing here
-knows a format.
+knows a format. ``install_dir`` and ``retire`` hold Ctrl-C back until they end (each is
+whole).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+from paramstore._core.interrupts import deferred
 
 NAME_MAX = 255  # bytes of one file name (Linux, macOS, Windows)
 _TEMP_ROOM = 64  # bytes a temporary name may need beyond the base (and Orbax's own suffix)
@@ -36,16 +47,32 @@ _LIVE: set[str] = set()  # this process's temporaries in use (a save or a remova
 _LIVE_LOCK = threading.Lock()
 
 
-def temp_path(path: str) -> str:
+def temp_path(path: str, token: str | None = None) -> str:
     """A fresh temporary name beside ``path``, matched by ``TEMP_RE`` with this pid:
     ``.<name>.tmp-<pid>-<random>``, or, for a name too long to leave room for that
     (and for Orbax's ``.orbax-checkpoint-tmp-<time>`` under a staging directory),
     ``.<hash of the name>.tmp-<pid>-<random>``, so that every name a file system takes
-    can be saved."""
+    can be saved. ``token`` (8 hex digits, ``new_token()``) stands for the random part:
+    the temporaries of one operation share it, so ``remove_temps`` finds them all."""
     head, base = os.path.split(path)
     if len(os.fsencode(base)) + _TEMP_ROOM > NAME_MAX:
         base = "h" + hashlib.sha256(os.fsencode(base)).hexdigest()[:12]
-    return os.path.join(head, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return os.path.join(head, f".{base}.tmp-{os.getpid()}-{token or new_token()}")
+
+
+def new_token() -> str:
+    """The random part of a temporary's name (``temp_path``)."""
+    return secrets.token_hex(4)
+
+
+def remove_temps(directory: str, token: str) -> None:
+    """Remove this process's temporaries named with ``token`` in ``directory`` (after an
+    operation that wrote several failed, wherever it stopped)."""
+    suffix = f".tmp-{os.getpid()}-{token}"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory or "."):
+            if name.endswith(suffix) and name.startswith("."):
+                remove_path(os.path.join(directory, name))
 
 
 # A temporary, possibly with a suffix that Orbax adds to a staging directory's name.
@@ -100,21 +127,24 @@ _LEGACY_ORBAX_RE = re.compile(r"^ckpt-\d+\.orbax-checkpoint-tmp-\d+$")
 LEGACY_STALE_AFTER = 3600.0  # seconds without a change in a legacy Orbax temporary
 
 
-def remove_stale_temps(directory: str) -> list[str]:
+def remove_stale_temps(directory: str, only: Callable[[str], Any] | None = None) -> list[str]:
     """Delete the leftovers of failed or killed saves in ``directory`` (the names removed):
     temporaries (files and staging directories, with the Orbax temporaries inside their
     names) whose writer, a process of this host, no longer runs, or which this process
     no longer uses; and the ``ckpt-<step>.orbax-checkpoint-tmp-<time>`` directories that
     earlier paramstore versions let Orbax write (no pid in the name), once nothing in them
-    changed for an hour."""
+    changed for an hour. ``only``: just the temporaries whose name (without the
+    temporary's prefix and suffix) it accepts."""
     removed: list[str] = []
     try:
-        names = os.listdir(directory)
+        names = os.listdir(directory or ".")
     except (FileNotFoundError, NotADirectoryError):
         return removed
     for name in names:
         full = os.path.join(directory, name)
         m = TEMP_RE.match(name)
+        if only is not None and (m is None or not only(m["base"])):
+            continue
         if m:
             stale = not _writer_alive(directory, m["temp"], int(m["pid"]))
         else:
@@ -162,7 +192,7 @@ def retire(path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    with live_temp(path) as aside:
+    with deferred(), live_temp(path) as aside:  # Ctrl-C: raised once the aside is gone
         try:
             os.rename(path, aside)
         except FileNotFoundError:
@@ -209,21 +239,46 @@ def install_dir(staging: str, path: str) -> None:
     old checkpoint or the new one, never neither) and the old one, now at the staging
     name, is deleted; elsewhere the old one is renamed aside first. The parent
     directory is fsynced."""
-    if os.path.islink(path):
-        os.unlink(path)  # a linked checkpoint loses its link, never its target
-    try:
-        os.rename(staging, path)  # nothing there (or an empty directory)
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise
-        if _exchange(staging, path):
-            remove_path(staging)  # the old checkpoint (a directory, or a file)
-        else:
-            with live_temp(path) as aside:
-                os.rename(path, aside)
-                os.rename(staging, path)
-                remove_path(aside)
-    fsync_dir(os.path.dirname(path))
+    with deferred():  # Ctrl-C: raised once the new one is in place and the old one gone
+        if os.path.islink(path):
+            os.unlink(path)  # a linked checkpoint loses its link, never its target
+        try:
+            os.rename(staging, path)  # nothing there (or an empty directory)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            if _exchange(staging, path):
+                remove_path(staging)  # the old checkpoint (a directory, or a file)
+            else:
+                with live_temp(path) as aside:
+                    os.rename(path, aside)
+                    os.rename(staging, path)
+                    remove_path(aside)
+        fsync_dir(os.path.dirname(path))
+
+
+@contextlib.contextmanager
+def directory_lock(directory: str) -> Iterator[None]:
+    """Hold ``directory`` exclusively against every other process and thread that takes
+    this lock (``flock`` of the directory itself: no lock file is left behind; released
+    when the block ends or the process dies). Where the system or the file system has no
+    ``flock``, only the threads of this process are kept apart."""
+    with _DIR_LOCK:
+        try:
+            fd = os.open(directory or ".", os.O_RDONLY)
+        except OSError:  # e.g. Windows: directories cannot be opened
+            yield
+            return
+        try:
+            if fcntl is not None:
+                with contextlib.suppress(OSError):  # a file system without flock
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+
+_DIR_LOCK = threading.Lock()  # directory_lock between this process's threads (flock too)
 
 
 def save_error(e: OSError, path: str, what: str = "checkpoint") -> OSError:

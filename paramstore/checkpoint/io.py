@@ -15,17 +15,22 @@ Nothing here knows the file format; ``paramstore.checkpoint.formats.safetensors.
 
 from __future__ import annotations
 
+import collections
+import functools
+import io
 import os
 import queue
 import stat
 import threading
+import weakref
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, BinaryIO
 
 import numpy as np
 import xxhash
 
+from paramstore._core.interrupts import deferred
 from paramstore.checkpoint.format import CheckpointError
 
 CHUNK = 16 * 2**20  # bytes per write/read call and checksum job
@@ -68,19 +73,32 @@ def _kind(mode: int) -> str:
 def open_regular(path: str, what: str = "Checkpoint") -> BinaryIO:
     """``path`` opened unbuffered for reading, refused (CheckpointError) unless it is a regular
     file: checked with ``stat`` before ``open`` and with ``fstat`` after it (opened with
-    ``O_NONBLOCK``, so a file swapped for a FIFO in between cannot block the open)."""
+    ``O_NONBLOCK``, so a file swapped for a FIFO in between cannot block the open).
+
+    An interrupt (Ctrl-C) landing anywhere closes the descriptor exactly once (issue 36):
+    the descriptor is recorded in ``held`` by the same C call that opens it, and leaves
+    ``held`` in the same C call that hands it to the file object (which then owns it), so
+    no signal handler can run while nothing, or two things, own it."""
     check_regular(path, what)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    held: list[int] = []
+    close_held = map(os.close, held)  # made now: the except clause's first call runs it
     try:
-        mode = os.fstat(fd).st_mode
+        _EXHAUST(map(held.append, map(os.open, (path,), (_READ_FLAGS,))))
+        mode = os.fstat(held[0]).st_mode
         if not stat.S_ISREG(mode):
             raise CheckpointError(f"{what} '{path}' is not a regular file ({_kind(mode)}).")
         if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return open(fd, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+            os.set_blocking(held[0], True)
+        file: BinaryIO = next(map(_READER, map(held.pop, (0,))))
+        return file
     except BaseException:
-        os.close(fd)
+        _EXHAUST(close_held)  # nothing once the file object owns the descriptor
         raise
+
+
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_READER = functools.partial(io.FileIO, mode="rb")  # owns (and closes) the descriptor
+_EXHAUST: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # in C
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -193,18 +211,17 @@ class Checksums:
     def start(self) -> None:
         """Start the worker on the queued buffers (once)."""
         if self._queued and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._work, name="paramstore-checksum", daemon=True
+            thread = threading.Thread(
+                target=_work,
+                args=(self._jobs, weakref.ref(self)),
+                name="paramstore-checksum",
+                daemon=True,
             )
-            self._thread.start()
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            h, data = job
-            try:
-                h.update(data)
-            except BaseException as e:  # pragma: no cover - hashes do not fail on buffers
-                self._error = e
+            # Held back over the start: CPython's Thread.start waits on a Condition, whose
+            # exit an interrupt turns into "RuntimeError: release unlocked lock".
+            with deferred():
+                thread.start()
+                self._thread = thread
 
     def _stop(self) -> None:
         if self._thread is not None:
@@ -221,6 +238,31 @@ class Checksums:
         out = {k: h.hexdigest() for k, h in self._hashes.items()}
         out.update(self._digests)
         return out
+
+
+def _work(jobs: queue.SimpleQueue[tuple[_Hash, memoryview] | None], owner: Any) -> None:
+    """The checksum worker: runs the jobs until the ``None`` that ``_stop`` queues, or, if
+    an interrupt cut the owner's exit short before it was queued, until the owner
+    (``weakref`` to a ``Checksums``) is gone: no thread is left waiting forever."""
+    while True:
+        try:
+            job = jobs.get(timeout=_IDLE)
+        except queue.Empty:
+            if owner() is None:
+                return
+            continue
+        if job is None:
+            return
+        h, data = job
+        try:
+            h.update(data)
+        except BaseException as e:  # pragma: no cover - hashes do not fail on buffers
+            holder = owner()
+            if holder is not None:
+                holder._error = e
+
+
+_IDLE = 0.5  # seconds between the worker's looks at whether its owner is gone
 
 
 # ---------------------------------------------------------------------- writes

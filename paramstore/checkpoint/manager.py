@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import jax
 import numpy as np
 
+from paramstore._core.interrupts import deferred
 from paramstore.checkpoint.atomic import remove_stale_temps, retire, set_newest
 from paramstore.checkpoint.format import PathLike
 from paramstore.checkpoint.formats.orbax import format as _orbax
@@ -36,6 +37,11 @@ class Background(Protocol):
 
     def wait(self) -> None: ...
 
+    def done(self) -> bool:
+        """Whether ``wait`` has nothing left to do (the save, and what follows it, ran;
+        its error, if any, was raised)."""
+        ...
+
 
 class ThreadSave:
     """A single-file save written by a background thread."""
@@ -44,6 +50,7 @@ class ThreadSave:
         self._error: BaseException | None = None
         self._path = path
         self._write = write
+        self._finished = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"paramstore-save-{path}")
         self._thread.start()  # started before any other thread can see it (no join race)
 
@@ -53,11 +60,21 @@ class ThreadSave:
         except BaseException as e:
             e.add_note(f"(raised by the background save of '{self._path}')")
             self._error = e
+        finally:
+            self._finished.set()
 
     def wait(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        """Block until the file is written (and the old checkpoints pruned); re-raise its
+        error. It waits on an Event, not ``Thread.join``: on Python 3.11 an interrupted
+        join marks the thread stopped, and every later join returns at once."""
+        self._finished.wait()
+        self._thread.join()  # it is ending
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def done(self) -> bool:
+        return self._finished.is_set()
 
 
 def sharded_background(path: str, values: dict[str, Any], prune: Callable[[], None]) -> Background:
@@ -67,12 +84,24 @@ def sharded_background(path: str, values: dict[str, Any], prune: Callable[[], No
 
 
 class _Then:
+    """``inner``, then ``after`` (the prune) in the thread that waits; interrupted, the next
+    ``wait`` waits again and runs ``after`` again (a prune is idempotent)."""
+
     def __init__(self, inner: Background, after: Callable[[], None]) -> None:
         self._inner, self._after = inner, after
+        self._finished = False
 
     def wait(self) -> None:
-        self._inner.wait()
+        try:
+            self._inner.wait()
+        except BaseException:
+            self._finished = self._inner.done()  # its own error: nothing to prune
+            raise
         self._after()
+        self._finished = True
+
+    def done(self) -> bool:
+        return self._finished
 
 
 _PENDING: dict[int, CheckpointManager] = {}  # managers with a save in flight (held until done)
@@ -233,13 +262,15 @@ class CheckpointManager:
                         _orbax.save(path, values)
                     self._written(path)
                     return path
-                self._start(sharded_background(path, values, lambda: self._written(path)))
+                with deferred():  # started and recorded as pending, or neither
+                    self._start(sharded_background(path, values, lambda: self._written(path)))
                 return path
             if not background:
                 self._write(path, saver._snapshot(copy=False))
                 return path
             arrays = saver._snapshot(copy=True)
-            self._start(ThreadSave(lambda: self._write(path, arrays), path))
+            with deferred():  # started and recorded as pending, or neither
+                self._start(ThreadSave(lambda: self._write(path, arrays), path))
             return path
 
     def _start(self, pending: Background) -> None:
@@ -278,13 +309,20 @@ class CheckpointManager:
             multihost_utils.sync_global_devices("paramstore.CheckpointManager.prune")
 
     def wait(self) -> None:
-        """Block until a pending background save is written; re-raise its error, if any."""
+        """Block until a pending background save is written; re-raise its error, if any.
+        Interrupted (Ctrl-C), the save stays pending: the next ``wait`` (and ``save``,
+        ``checkpoints``...) waits for it again, raises its error, and prunes only after it."""
         with self._lock:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                with _PENDING_LOCK:
-                    _PENDING.pop(id(self), None)
+            pending = self._pending
+            if pending is None:
+                return
+            try:
                 pending.wait()
+            finally:
+                if pending.done():
+                    self._pending = None
+                    with _PENDING_LOCK:
+                        _PENDING.pop(id(self), None)
 
     def restore_latest(self, allow_missing: bool = False) -> str | None:
         """Restore the latest checkpoint (see ``Saver.restore``); its path, or None if the

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from paramstore._core.interrupts import deferred
 from paramstore.checkpoint.atomic import order_key
 from paramstore.checkpoint.format import CheckpointError, EntryInfo, PathLike, Reader
 from paramstore.checkpoint.formats.huggingface import read as _hf
@@ -87,12 +88,31 @@ def open_reader(path: PathLike, allow_unverified: bool = False) -> Reader:
 def opened(path: PathLike, allow_unverified: bool = False) -> Iterator[Reader]:
     """The reader of the checkpoint at ``path`` (``open_reader``), closed after the block; a
     checkpoint that a writer replaces or a manager prunes while it is opened or read is
-    read again (see ``Reopening``)."""
-    reader = Reopening(os.fspath(path), allow_unverified)
+    read again (see ``Reopening``).
+
+    A read that holds a checkpoint path's lock (a sharded directory, the sharded latest of
+    a manager directory, a TensorFlow prefix) holds signal handlers' exceptions (Ctrl-C)
+    back until the block ends and the lock is released, then raises them as they were: an
+    interrupt meanwhile would leave the lock taken (the next read or save of that path
+    waiting forever) or Orbax's threads running, and came back as a "corrupt checkpoint"
+    (issue 36 item 10, issue 38 item 4). A regular file (also one a directory resolves to,
+    a Hugging Face model directory's) takes no lock and stops at once."""
+    given = os.fspath(path)
+    locks = not os.path.isfile(given)
+    reader: Reopening | None = None
     try:
-        yield reader
+        with deferred() if locks else contextlib.nullcontext():
+            reader = Reopening(given, allow_unverified, locks)
+            if reader.locked:
+                try:
+                    yield reader
+                finally:
+                    reader.close()
+                return
+        yield reader  # no lock held: Ctrl-C stops the read at once
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
 
 
 _ATTEMPTS = 5  # reads of a checkpoint that writers keep replacing, before giving up
@@ -119,29 +139,35 @@ class Reopening:
     again (a manager directory: its newest remaining checkpoint) and read again, up to
     ``_ATTEMPTS`` times; the values asked for must have the shapes and dtypes already
     checked, else CheckpointError. A failure of an unchanged checkpoint (corruption) is
-    raised at once.
+    raised at once. ``locks=False`` (a regular file) takes no lock; with a lock, use it
+    through ``opened``, which holds interrupts back until the lock is released.
     """
 
-    def __init__(self, given: str, allow_unverified: bool) -> None:
+    def __init__(self, given: str, allow_unverified: bool, locks: bool = True) -> None:
         self._asked = given
+        self._locks = locks  # whether ``given`` is read under its path's lock
         self._allow_unverified = allow_unverified
         self._stack = contextlib.ExitStack()
         self._reader: Reader
         self.path = self.description = ""
         self._resolved = ""
         self._identity: tuple[int, int] | None = None
+        self.locked = False  # whether the open checkpoint's path lock is held
         self._open()
 
     def _open(self) -> None:
         for attempt in range(_ATTEMPTS):
             stack = contextlib.ExitStack()
+            locked = False
             try:
-                if not os.path.isfile(self._asked):
+                if self._locks:
                     stack.enter_context(path_lock(self._asked))
+                    locked = True
                 resolved = _resolve(self._asked)
                 if resolved != self._asked:
                     stack.close()  # never two path locks at once (they are striped)
-                    if os.path.isdir(resolved):
+                    locked = self._locks and os.path.isdir(resolved)
+                    if locked:
                         stack.enter_context(path_lock(resolved))
                 identity = _identity(resolved)
                 try:
@@ -160,7 +186,7 @@ class Reopening:
             except BaseException:
                 stack.close()
                 raise
-            self._stack, self._reader = stack, reader
+            self._stack, self._reader, self.locked = stack, reader, locked
             self._resolved, self._identity = resolved, identity
             self.path, self.description = reader.path, reader.description
             return

@@ -211,7 +211,9 @@ def _value(
         shape = tuple(len(range(*ix.indices(n))) for ix, n in zip(index, v.shape))
         out = aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
         if not stacked:
-            np.copyto(out, np.asarray(sources[0][index]), casting="unsafe")
+            read_into = getattr(sources[0], "read_into", None)  # a file's rows, read into out
+            if read_into is None or not read_into(index, out):
+                np.copyto(out, np.asarray(sources[0][index]), casting="unsafe")
         else:
             for j, s in enumerate(sources[index[0]]):
                 np.copyto(out[j], np.asarray(s[index[1:]]), casting="unsafe")
@@ -277,6 +279,7 @@ def _source(r: Reader, t: Target, chain: list[Any], cast: bool) -> Any:
     value: Any = view if view is not None else _whole(r, t.ckpt)
     if not chain:
         return value
+    value = np.asarray(value)  # a transform gets an array (a view is read whole here)
     for fn in chain:
         shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
         try:

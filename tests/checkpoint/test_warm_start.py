@@ -221,12 +221,12 @@ def test_hugging_face_files_need_allow_unverified(hf, fresh_store):
 
 
 def test_values_are_read_through_views_one_at_a_time(hf, fresh_store, monkeypatch):
-    """A Hugging Face tensor is read through a memory map of its own bytes, never loaded
-    whole by the reader."""
+    """A Hugging Face tensor is read through a view of its own bytes (a FileTensor), never
+    loaded whole by the reader."""
     viewed = []
-    real = hf_read.map_tensor
+    real = hf_read.FileTensor._fill
     monkeypatch.setattr(
-        hf_read, "map_tensor", lambda f, e, p: viewed.append(e.name) or real(f, e, p)
+        hf_read.FileTensor, "_fill", lambda t, a, b: viewed.append(t._e.name) or real(t, a, b)
     )
     monkeypatch.setattr(hf_read.PlainSafetensors, "load", lambda *a: pytest.fail("whole load"))
     a, b = zeros("a", (4, 6)), zeros("b", (6,))
@@ -295,19 +295,19 @@ def check_fsdp_abstract_model_reads_only_each_devices_shard():
             w = ps.Variable(jax.ShapeDtypeStruct((16, 4), jnp.float32), name="w")
             k = ps.Variable(jax.ShapeDtypeStruct((2, 8, 3), jnp.float32), name="blocks/k")
         reads = []
-        real = hf_read.map_tensor
+        real = hf_read.FileTensor._read
 
-        def spy(f, e, p):
-            arr = real(f, e, p)
-            return _Spy(arr, reads, e.name)
+        def spy(t, start, stop):
+            reads.append((t._e.name, stop - start))
+            return real(t, start, stop)
 
-        hf_read.map_tensor = spy
+        hf_read.FileTensor._read = spy
         try:
             init_from_checkpoint(
                 d, [("w", "w"), (r"h\.(\d)\.k", r"blocks/k[\1]")], cast=True, allow_unverified=True
             )
         finally:
-            hf_read.map_tensor = real
+            hf_read.FileTensor._read = real
         assert w.sharding == NamedSharding(mesh, P("fsdp", None))
         np.testing.assert_array_equal(w.numpy(), big.astype(np.float32))
         np.testing.assert_array_equal(k.numpy(), np.stack(layers))
@@ -315,19 +315,6 @@ def check_fsdp_abstract_model_reads_only_each_devices_shard():
         w_reads = [r for n, r in reads if n == "w"]
         assert len(w_reads) == 8 and all(rows == 2 for rows in w_reads), w_reads
         assert all(rows == 1 for n, rows in reads if n != "w"), reads
-
-
-class _Spy:
-    """An array that records how many rows each slice taken of it has."""
-
-    def __init__(self, arr, reads, name):
-        self.arr, self.reads, self.name = arr, reads, name
-        self.shape, self.dtype = arr.shape, arr.dtype
-
-    def __getitem__(self, index):
-        part = self.arr[index]
-        self.reads.append((self.name, part.shape[0] if part.ndim else 0))
-        return part
 
 
 @check

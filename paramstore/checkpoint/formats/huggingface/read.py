@@ -3,9 +3,10 @@
 A Hugging Face checkpoint is a plain safetensors file (no paramstore checksums), a
 ``model.safetensors.index.json`` naming shard files beside it, or a directory holding
 either (``model.safetensors`` is preferred, as ``transformers`` prefers it). Both readers
-implement ``checkpoint.format.Reader`` and add ``view(name)``: the tensor as a read-only
-NumPy array over a memory map of just its bytes, so a caller reads only the slices it
-copies (``init_from_checkpoint`` copies each device's shard) and never the whole file.
+implement ``checkpoint.format.Reader`` and add ``view(name)``: the tensor as a
+``FileTensor``, read with explicit reads as it is sliced, so a caller reads only the rows it
+copies (``init_from_checkpoint`` copies each device's shard) and never the whole file; never
+a memory map, so a file truncated while it is read is a CheckpointError, not SIGBUS.
 
 Everything is checked before a value is read: each shard's header against its file (sizes,
 offsets, dtypes; ``checkpoint.formats.safetensors.header``), the index's JSON, that every
@@ -16,7 +17,6 @@ tensors the index assigns them, and that no tensor is in two shards.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +26,7 @@ import numpy as np
 from paramstore.checkpoint.format import CheckpointError, PathLike, is_string
 from paramstore.checkpoint.formats.safetensors.file import SafetensorsFile
 from paramstore.checkpoint.formats.safetensors.format import Entry, parse_json
-from paramstore.checkpoint.io import open_regular
+from paramstore.checkpoint.io import CHUNK, aligned_empty, open_regular
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -58,37 +58,112 @@ def is_index(path: str) -> bool:
 class PlainSafetensors(SafetensorsFile):
     """A safetensors file (paramstore's own or a foreign one) with ``view``."""
 
-    def view(self, name: str) -> np.ndarray | None:
-        """The tensor over a memory map of its bytes (read as it is sliced), or None where
-        the file is verified (its checksums need the whole tensor: use ``load``) or the
-        tensor is not a plain array (strings)."""
+    def view(self, name: str) -> FileTensor | None:
+        """The tensor as a ``FileTensor`` (read as it is sliced), or None where the file is
+        verified (its checksums need the whole tensor: use ``load``) or the tensor is not a
+        plain array (strings)."""
         e = self.entry(name)
         if e.checksum is not None or is_string(e.dtype) or e.code == "U8" and e.dtype != np.uint8:
             return None
-        return map_tensor(self._f.fileno(), e, self.path)
+        return FileTensor(self._f.fileno(), e, self.path)
 
 
-def map_tensor(fileno: int, e: Entry, path: str) -> np.ndarray:
-    """A read-only array over a memory map of ``e``'s bytes only (unmapped when the last
-    view of it is gone)."""
-    count = math.prod(e.shape)
-    if not count:
-        return np.zeros(e.shape, e.dtype)
-    start = e.start - e.start % mmap.ALLOCATIONGRANULARITY
-    try:
-        m = mmap.mmap(fileno, e.end - start, access=mmap.ACCESS_READ, offset=start)
-    except (OSError, ValueError) as err:  # the file shrank since its header was checked
-        raise CheckpointError(
-            f"Checkpoint '{path}': cannot map the data of '{e.name}' ({err}); the file changed "
-            "while it was read."
-        ) from None
-    arr = np.frombuffer(m, e.dtype.newbyteorder("<"), count, e.start - start).reshape(e.shape)
-    if e.code == "BOOL" and int(np.max(arr.view(np.uint8), initial=0)) > 1:
-        raise CheckpointError(
-            f"Checkpoint '{path}' is corrupt: bool tensor '{e.name}' holds bytes other than 0 "
-            "and 1."
+class FileTensor:
+    """One tensor of an open safetensors file, read with explicit reads (``os.preadv``) as
+    it is sliced: ``t[index]`` reads only the rows (first-axis range) the index selects, and
+    ``np.asarray(t)`` the whole tensor. The last rows read are kept, so the devices of a
+    layout split along later axes share one read.
+
+    Not a memory map (issue 36 item 6): a mapped file truncated in place (a re-download,
+    ``cp`` over it) kills the interpreter with SIGBUS at the first access past its new end;
+    a read sees a short file instead, a CheckpointError, and a file rewritten in place
+    gives other values, never a crash. From the page cache the read costs what the copy
+    out of a mapping cost (benchmarks/pretrained.py, ``init_from_checkpoint`` rows)."""
+
+    def __init__(self, fileno: int, e: Entry, path: str) -> None:
+        self._fileno, self._e, self._path = fileno, e, path
+        self.shape: tuple[int, ...] = e.shape
+        self.dtype: np.dtype = e.dtype
+        self.ndim = len(e.shape)
+        self._kept: tuple[int, int, np.ndarray] | None = None  # rows [a, b) as read
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self._rows(0, self.shape[0]) if self.ndim else self._read(0, 1)
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        parts = index if isinstance(index, tuple) else (index,)
+        if self.ndim and parts and isinstance(parts[0], slice):
+            start, stop, step = parts[0].indices(self.shape[0])
+            if step == 1 and stop > start:  # only the rows selected are read
+                picked: np.ndarray = self._rows(start, stop)[(slice(None), *parts[1:])]
+                return picked
+        chosen: np.ndarray = np.asarray(self)[index]
+        return chosen
+
+    def read_into(self, index: Any, out: np.ndarray) -> bool:
+        """Read ``self[index]`` straight into ``out`` (one copy, from the page cache into
+        ``out``) where ``index`` selects whole rows (a step-1 range of the first axis, all
+        of the others) and ``out`` is a C-contiguous array of the tensor's dtype; False
+        (nothing read) otherwise."""
+        parts = index if isinstance(index, tuple) else (index,)
+        if not self.ndim or not parts or not isinstance(parts[0], slice):
+            return False
+        start, stop, step = parts[0].indices(self.shape[0])
+        whole = all(
+            isinstance(p, slice) and p.indices(n) == (0, n, 1)
+            for p, n in zip(parts[1:], self.shape[1:])
         )
-    return arr
+        if (
+            step != 1
+            or stop <= start
+            or not whole
+            or out.dtype != self.dtype.newbyteorder("<")
+            or not out.flags.c_contiguous
+            or out.shape != (stop - start, *self.shape[1:])
+        ):
+            return False
+        self._fill(out.reshape(-1).view(np.uint8), start)
+        return True
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        kept = self._kept
+        if kept is not None and kept[0] <= start and stop <= kept[1]:
+            return kept[2][start - kept[0] : stop - kept[0]]
+        arr = self._read(start, stop)
+        self._kept = (start, stop, arr)
+        return arr
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` (all of a 0-d tensor) in a new array."""
+        e = self._e
+        shape = (stop - start, *e.shape[1:]) if e.shape else ()
+        buf = aligned_empty(math.prod(shape) * e.dtype.itemsize)
+        self._fill(buf, start)
+        return buf.view(e.dtype.newbyteorder("<")).reshape(shape)
+
+    def _fill(self, buf: np.ndarray, start: int) -> None:
+        """``buf`` (uint8) filled with the tensor's bytes from row ``start`` on."""
+        e = self._e
+        row = math.prod(e.shape[1:]) * e.dtype.itemsize if e.shape else 0
+        view, got, offset = buf.data, 0, e.start + start * row
+        while got < buf.size:
+            n = os.preadv(self._fileno, [view[got : got + CHUNK]], offset + got)
+            if not n:
+                raise CheckpointError(
+                    f"Checkpoint '{self._path}' is truncated inside tensor '{e.name}': the "
+                    "file shrank while it was read (replaced in place, e.g. by a download "
+                    "or cp). Read it again once it is complete."
+                )
+            got += n
+        if e.code == "BOOL" and buf.size and buf.max() > 1:
+            raise CheckpointError(
+                f"Checkpoint '{self._path}' is corrupt: bool tensor '{e.name}' holds bytes "
+                "other than 0 and 1."
+            )
 
 
 class ShardedSafetensors:
@@ -130,7 +205,7 @@ class ShardedSafetensors:
                 out.update(shard.load(by_shard[shard.path]))
         return out
 
-    def view(self, name: str) -> np.ndarray | None:
+    def view(self, name: str) -> FileTensor | None:
         return self._shard_of[name].view(name)
 
 
@@ -162,28 +237,40 @@ def _weight_map(path: str) -> dict[str, str]:
 
 
 def _open_shard(index: str, directory: str, file: str) -> PlainSafetensors:
-    """The shard ``file`` of ``index``: a plain relative name inside the index's directory."""
-    parts = file.replace("\\", "/").split("/")
-    if not file or os.path.isabs(file) or ".." in parts or "" in parts:
-        raise CheckpointError(
-            f"Hugging Face index '{index}' names shard file '{file}', which is not a file name "
-            "inside its directory (absolute paths and '..' are refused); fix the index."
-        )
-    path = os.path.join(directory, file)
-    real = os.path.realpath(path)
-    if os.path.commonpath([real, os.path.realpath(directory or ".")]) != os.path.realpath(
-        directory or "."
+    """The shard ``file`` of ``index``: a plain file name in the index's directory (no path
+    separator, no ``..``, no NUL byte), which may be a symbolic link, followed wherever it
+    points: Hugging Face's cache keeps each shard as a link into ``../../blobs`` (issue 36
+    item 14), and a single file that is a link is followed too. The index is text anyone
+    can edit, so its names never leave the directory; a link there was made by whoever
+    made the directory, as for any file a user points paramstore at. What the link
+    reaches is still refused unless it is a regular file (``open_regular``)."""
+    separators = {"/", "\\", os.sep, os.altsep or "/"}
+    if (
+        not file
+        or file in (".", "..")
+        or "\0" in file
+        or any(sep in file for sep in separators)
+        or os.path.isabs(file)
     ):
         raise CheckpointError(
-            f"Hugging Face index '{index}' names shard file '{file}', a link to '{real}' outside "
-            "its directory; copy the shard into the directory."
+            f"Hugging Face index '{index}' names shard file {file!r}, which is not a file name "
+            "inside its directory (a path separator, '..' and a NUL byte are refused); fix "
+            "the index."
         )
+    path = os.path.join(directory, file)
     if not os.path.exists(path):
         raise CheckpointError(
-            f"Hugging Face index '{index}' names shard file '{file}', which does not exist; the "
-            "checkpoint is incomplete (download or copy every shard)."
+            f"Hugging Face index '{index}' names shard file '{file}', which does not exist"
+            f"{' (a link to nothing)' if os.path.islink(path) else ''}; the checkpoint is "
+            "incomplete (download or copy every shard)."
         )
-    return PlainSafetensors(path, allow_unverified=True)
+    try:
+        return PlainSafetensors(path, allow_unverified=True)
+    except OSError as e:  # e.g. a link loop, or a permission
+        raise CheckpointError(
+            f"Hugging Face index '{index}' names shard file '{file}', which cannot be read "
+            f"({e.strerror or e})."
+        ) from None
 
 
 def _check_shards(

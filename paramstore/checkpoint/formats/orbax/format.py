@@ -42,6 +42,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from paramstore._core.interrupts import deferred
 from paramstore.checkpoint.atomic import hold, install_dir, release
 from paramstore.checkpoint.format import CheckpointError
 from paramstore.checkpoint.formats.orbax import integrity, packed
@@ -302,21 +303,26 @@ def save(path: str, values: Mapping[str, Any], checkpointer: AsyncWriter | None 
     if checkpointer is not None:
         checkpointer.save(path, values)
         return path
-    root = staging_path(path)
-    hold(root)
-    try:
-        plan = _Plan(path, root, values)
+    # Orbax writes with threads and an event loop that an interrupt would leave running
+    # (still writing into a staging directory already removed): signal handlers'
+    # exceptions (Ctrl-C) are held back until the save is installed or discarded, then
+    # raised as they were; nothing temporary is left (issue 36 item 12).
+    with deferred():
+        root = staging_path(path)
+        hold(root)
         try:
-            _write_arrays(ocp, ocp.Checkpointer(_handler(ocp)), plan)
-            plan.finish()
-            plan.install()
-        except BaseException as e:
-            error = plan.discard(e)
-            if error is e:
-                raise
-            raise error from e
-    finally:
-        release(root)
+            plan = _Plan(path, root, values)
+            try:
+                _write_arrays(ocp, ocp.Checkpointer(_handler(ocp)), plan)
+                plan.finish()
+                plan.install()
+            except BaseException as e:
+                error = plan.discard(e)
+                if error is e:
+                    raise
+                raise error from e
+        finally:
+            release(root)
     return path
 
 
@@ -332,31 +338,41 @@ class AsyncWriter:
         self._ocp = ocp
         self._checkpointer = ocp.AsyncCheckpointer(_handler(ocp))
         self._thread: threading.Thread | None = None
+        self._finished = threading.Event()  # set once the save in flight is done
         self._error: BaseException | None = None
 
     def save(self, path: str, values: Mapping[str, Any]) -> None:
         self.wait_until_finished()
         lock = path_lock(path)
-        lock.acquire()  # released by the background thread, once the files are written
-        root = staging_path(path)
-        hold(root)
-        try:
-            plan = _Plan(path, root, values)
+        # Held back until the lock is the background thread's (or released) and Orbax has
+        # the values: an interrupt meanwhile would leave the lock taken or Orbax's threads
+        # writing (issue 38 item 4).
+        with deferred():
+            lock.acquire()  # released by the background thread, once the files are written
+            root = staging_path(path)
+            hold(root)
             try:
-                _write_arrays(self._ocp, self._checkpointer, plan)
-            except BaseException as e:
-                error = plan.discard(e)
-                if error is e:
-                    raise
-                raise error from e
-        except BaseException:
-            release(root)
-            lock.release()
-            raise
-        self._thread = threading.Thread(
-            target=self._finish, args=(plan, lock), name="paramstore-sharded-save", daemon=True
-        )
-        self._thread.start()
+                plan = _Plan(path, root, values)
+                try:
+                    _write_arrays(self._ocp, self._checkpointer, plan)
+                except BaseException as e:
+                    error = plan.discard(e)
+                    if error is e:
+                        raise
+                    raise error from e
+                self._finished = threading.Event()
+                self._thread = threading.Thread(
+                    target=self._finish,
+                    args=(plan, lock),
+                    name="paramstore-sharded-save",
+                    daemon=True,
+                )
+                self._thread.start()
+            except BaseException:
+                self._thread = None
+                release(root)
+                lock.release()
+                raise
 
     def _finish(self, plan: _Plan, lock: threading.Lock) -> None:
         try:
@@ -370,13 +386,22 @@ class AsyncWriter:
         finally:
             release(plan.root)
             lock.release()
-            if self._one_shot:
-                self._checkpointer.close()
+            try:
+                if self._one_shot:
+                    self._checkpointer.close()
+            finally:
+                self._finished.set()
 
     def wait_until_finished(self) -> None:
-        thread, self._thread = self._thread, None
+        """Block until the save in flight (if any) is done; re-raise its error. Interrupted
+        (Ctrl-C), the save stays in flight: a later call waits for it again (it waits on an
+        Event: on Python 3.11 an interrupted ``Thread.join`` marks the thread stopped, and
+        every later join returns at once)."""
+        thread = self._thread
         if thread is not None:
-            thread.join()
+            self._finished.wait()
+            thread.join()  # it is ending: no daemon thread left to die in the exit
+            self._thread = None
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -384,8 +409,7 @@ class AsyncWriter:
     def done(self) -> bool:
         """Whether the save in flight (if any) has finished (its error, if any, is raised by
         ``wait_until_finished``)."""
-        thread = self._thread
-        return thread is None or not thread.is_alive()
+        return self._thread is None or self._finished.is_set()
 
     def wait(self) -> None:
         """``wait_until_finished`` (the ``CheckpointManager``'s ``Background`` protocol)."""

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from paramstore._core.interrupts import deferred
 from paramstore.checkpoint.format import CheckpointError, Entry, PathLike, no_such_variable
 from paramstore.checkpoint.formats.orbax import integrity, packed
 from paramstore.checkpoint.formats.orbax.format import (
@@ -57,7 +58,14 @@ class ShardedCheckpoint:
 
     def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         """``{name: placement}`` -> ``{name: value}``, each value verified (see the module
-        docstring) before any is returned (CheckpointError otherwise)."""
+        docstring) before any is returned (CheckpointError otherwise). Signal handlers'
+        exceptions (Ctrl-C) are held back until it returns or raises: Orbax's threads and
+        event loop cannot be stopped midway, and an interrupt inside them came back as a
+        "corrupt checkpoint" or was lost (issue 36 item 10)."""
+        with deferred():
+            return self._load(wanted)
+
+    def _load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         for name in wanted:
             if name not in self._meta:
                 raise no_such_variable(self.path, name, self._meta)
@@ -78,6 +86,7 @@ class ShardedCheckpoint:
         try:
             out = load(self.path, {n: (self._meta[n], p) for n, p in wanted.items()})
         except ImportError:
+            checker.join()
             raise
         except Exception as e:  # Orbax / TensorStore: missing or corrupt array data
             checker.join()
@@ -86,6 +95,9 @@ class ShardedCheckpoint:
                 f"Checkpoint '{self.path}' is corrupt or incomplete: its array data could not "
                 f"be read ({type(e).__name__}: {e}). Restore another checkpoint."
             ) from None
+        except BaseException:
+            checker.join()
+            raise
         problems: list[str] = []
         checkable: dict[str, Any] = {}
         for key, name in keys.items():
