@@ -21,6 +21,7 @@ import io
 import os
 import queue
 import stat
+import sys
 import threading
 import weakref
 import zlib
@@ -170,6 +171,7 @@ class Checksums:
         self._queued = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._inline = False  # no thread could start (interpreter exit): checksum inline
 
     def __enter__(self) -> Checksums:
         return self
@@ -209,7 +211,12 @@ class Checksums:
             self._digests[key] = f"{zlib.crc32(data):08x}"
 
     def start(self) -> None:
-        """Start the worker on the queued buffers (once)."""
+        """Start the worker on the queued buffers (once). Where no thread can start (at
+        interpreter exit, Python 3.12 refuses new threads: a background save flushed then),
+        the queued buffers are checksummed here, inline."""
+        if self._inline:
+            self._drain()
+            return
         if self._queued and self._thread is None:
             thread = threading.Thread(
                 target=_work,
@@ -219,9 +226,25 @@ class Checksums:
             )
             # Held back over the start: CPython's Thread.start waits on a Condition, whose
             # exit an interrupt turns into "RuntimeError: release unlocked lock".
-            with deferred():
-                thread.start()
-                self._thread = thread
+            try:
+                with deferred():
+                    thread.start()
+                    self._thread = thread
+            except RuntimeError as e:
+                if not _at_shutdown(e):
+                    raise
+                self._inline = True
+                self._drain()
+
+    def _drain(self) -> None:
+        """Checksum the queued buffers in this thread."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job[0].update(job[1])
 
     def _stop(self) -> None:
         if self._thread is not None:
@@ -260,6 +283,12 @@ def _work(jobs: queue.SimpleQueue[tuple[_Hash, memoryview] | None], owner: Any) 
             holder = owner()
             if holder is not None:
                 holder._error = e
+
+
+def _at_shutdown(error: RuntimeError) -> bool:
+    """Whether ``error`` (from ``Thread.start``) says that Python is shutting down (from
+    3.12 it refuses new threads once its exit has begun, before ``sys.is_finalizing()``)."""
+    return sys.is_finalizing() or "interpreter shutdown" in str(error)
 
 
 _IDLE = 0.5  # seconds between the worker's looks at whether its owner is gone

@@ -309,6 +309,14 @@ def check_at_exit(directory: Path, sharded: str, late: bool, err: str) -> None:
     w = ps.Variable(np.zeros(256, np.float32))
     manager = CheckpointManager(directory, {"w": w}, sharded=sharded == "1")
     manager.restore_latest()
+    if sys.version_info >= (3, 12) and sharded == "1":
+        # Python 3.12 starts no thread once its exit has begun, and Orbax needs new threads
+        # for every save: a sharded save still pending then fails loudly, and the checkpoint
+        # before it stays whole (docs/checkpoints.md: wait() before a script ends)
+        assert "background checkpoint save failed at exit" in err, err[-3000:]
+        assert manager.latest_step == 1 and w.numpy().tolist() == [1.0] * 256, err[-3000:]
+        assert leftovers(directory) == []
+        return
     if late and sharded == "1":  # Orbax needs threads: refused, loudly; the others kept
         assert "Cannot save the sharded checkpoint" in err and "at interpreter exit" in err
     elif late:  # a single file is written at once
