@@ -42,6 +42,10 @@ signal arriving during a call is handled right after it (see ``_core.ownership``
 Threads. Each call gathers its inputs, dispatches and swaps its outputs under the state
 lock (``_core.context.STATE_LOCK``), so it is atomic with respect to the variables it touches;
 dispatch is asynchronous, so the lock is held for microseconds, not for the computation.
+Tracing and compiling never hold it (a first call compiles outside it, then checks under
+it that nothing the trace depends on changed meanwhile, else traces again). A program with
+host callbacks holds it until it has finished and written (atomic too); its callbacks may
+read variables (the values from before the call), and one that assigns raises.
 
 Variables may be created during the first trace only; creating one on a later trace
 raises ``ValueError``. A trace that fails creates nothing it cannot keep: variables it

@@ -68,20 +68,30 @@ STATE_LOCK = threading.RLock()
 class _TraceEpoch:
     """How many times something a ``ps.function`` trace depends on besides its signature
     has changed, process-wide: a variable's ``trainable`` flag (``v.trainable = ...``,
-    ``module.trainable = ...``) or its sharding (``ps.sharding.reshard``). A trace records
+    ``module.trainable = ...``: ``bump``) or its placement (any write that moves a variable
+    to a new sharding, ``_core.ownership``'s one write path: ``placed``). A trace records
     the epoch and, when it has moved, checks the flags and shardings of the variables it
     captured: the trace is redone where one it saw changed (freezing between calls takes
-    effect; a step compiled before a reshard does not write its variables back on their old
-    shardings)."""
+    effect; a step compiled before a reshard or a restore onto a new sharding does not write
+    its variables back on their old shardings). ``flags`` counts the flag changes alone: a
+    trace during which one changed is redone (it may have seen either value)."""
 
-    __slots__ = ("epoch", "_count")
+    __slots__ = ("epoch", "flags", "_count")
 
     def __init__(self) -> None:
         self._count = itertools.count(1)
         self.epoch = 0
+        self.flags = 0
 
     def bump(self) -> None:
+        """A trainable flag changed."""
         # next() on a count is atomic: threads bumping at once each get a new value
+        epoch = next(self._count)
+        self.flags = epoch
+        self.epoch = epoch
+
+    def placed(self) -> None:
+        """A variable moved to a new sharding."""
         self.epoch = next(self._count)
 
 

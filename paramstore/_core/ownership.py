@@ -31,7 +31,16 @@ Rules:
   longer hold.
 * ``lock`` (the state lock, ``_core.context.STATE_LOCK``) is held by every write, every
   hand-out and each compiled call's gather-dispatch-write, so each is atomic. It is never
-  held while user code is traced or compiled.
+  held while user code is traced or compiled: a program's first call compiles it first
+  (``compile``, outside the lock) and checks it is still current under the lock before
+  it runs (``StaleProgram``: traced anew). A call of a program with host callbacks holds
+  it until its results are written (atomic with other threads' writes): meanwhile reads
+  need no lock (``open``: nothing is donated before that call writes) and a write from one
+  of its callbacks raises ``CallbackWriteError`` (it could only be lost, or deadlock).
+* Every write that moves a variable to a new placement moves ``TRACE_EPOCH`` (``write``
+  and ``write_many``, the one write path of assign, restore, reshard, ``ps.update``...), so
+  a program that pinned the old placement is checked, and traced anew, before its next
+  call.
 
 Interrupts and run-time errors (issue 28). A ``KeyboardInterrupt`` or any exception a
 signal handler raises can land wherever the main thread checks for signals (a Python
@@ -68,6 +77,7 @@ alive keeps its id, so a live hand-out is never mistaken for an owned buffer.
 from __future__ import annotations
 
 import operator
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
@@ -78,7 +88,7 @@ import jax
 from paramstore._core.context import STATE_LOCK, TRACE_EPOCH
 from paramstore._core.interrupts import deferred
 
-__all__ = ["Ownership", "ownership", "Owned", "Program", "StaleProgram"]
+__all__ = ["Ownership", "ownership", "Owned", "Program", "StaleProgram", "CallbackWriteError"]
 
 _VALUE = operator.attrgetter("_value")
 _GIVEN = operator.attrgetter("_given")
@@ -108,17 +118,41 @@ class StaleProgram(Exception):
     (``ps.sharding.reshard`` moved one since): the function machinery traces anew."""
 
 
+class CallbackWriteError(RuntimeError):
+    """Raised by a write (an assign, a compiled call) made by a host callback of a compiled
+    program that is running: the call holds the state lock until it has written its own
+    results, so the write could only be lost or deadlock. Nothing is changed."""
+
+
+def _in_callback(name: str = "") -> CallbackWriteError:
+    what = f"variable '{name}'" if name else "variables"
+    return CallbackWriteError(
+        f"Cannot assign {what} (or call a ps.function) from a host callback "
+        "(jax.debug.callback, io_callback, pure_callback) of a running ps.function: the call "
+        "is atomic and writes its own results when its program ends, so this write would be "
+        "lost or wait forever. Reading variables there is allowed (it sees their values from "
+        "before the call); return the value from the callback, or assign after the call."
+    )
+
+
+def _foreign_thread() -> bool:
+    """Whether this thread was not started by Python (an XLA runtime thread running a host
+    callback: ``threading`` knows it only as a dummy)."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
+
+
 class Program:
     """One compiled program of the function machinery, registered once: ``runner(donated
     arrays, read-only arrays, leaves)`` returns ``(new values of assigned, outputs)``;
     ``shared``: variables whose array an output may be after a call; ``donate``: the
     runner donates its first argument; ``wait``: it has host callbacks (never donates;
-    waited for, lock not held). The function machinery only passes it to
+    waited for under the lock, its callbacks reading freely). The function machinery only passes it to
     ``ownership.call`` and ``ownership.drop``; only ``ownership`` changes its cache state."""
 
     __slots__ = (
         "runner", "donated", "readonly", "assigned", "shared", "donate", "wait", "steady",
         "n_donated", "copy_first", "warm", "fast", "version", "last", "layout", "epoch",
+        "still", "compiled",
     )  # fmt: skip
 
     def __init__(
@@ -130,6 +164,8 @@ class Program:
         shared: Sequence[Owned],
         donate: bool,
         wait: bool,
+        still: Callable[[], bool] = lambda: True,
+        layout: tuple[Any, ...] | None = None,
     ) -> None:
         self.runner = runner
         self.donated = tuple(donated)  # read and assigned, their old buffers donated
@@ -137,7 +173,7 @@ class Program:
         self.assigned = tuple(assigned)  # in the order of the runner's new values
         self.shared = tuple(shared)  # whose array an output may be, after each call
         self.donate = donate and not wait
-        self.wait = wait  # host callbacks: no donation, waited for, lock not held
+        self.wait = wait  # host callbacks: no donation, waited for under the lock
         self.steady = not shared  # no output shares a variable's buffer: steady path
         self.n_donated = len(self.donated)
         # The first call donates private copies on CPU (module docstring).
@@ -148,22 +184,33 @@ class Program:
         self.last: tuple[Any, Any] = ((), ())
         # The shardings its runner writes the assigned variables back on (jit's
         # out_shardings pin them): checked again when TRACE_EPOCH moved (a reshard).
-        self.layout = _layout(self.assigned)
+        self.layout = _layout(self.assigned) if layout is None else layout
+        # A flag or placement that changes later (during the compile too) is checked
+        # (``layout``, and ``still``: the function layer's check) before any write.
         self.epoch = TRACE_EPOCH.epoch
+        self.still = still  # the function layer's check of what else the trace depends on
+        self.compiled = False  # compiled ahead of its first call, outside the lock
 
     def current(self) -> bool:
         """Whether the assigned variables are still on the shardings the program writes
-        (hold the lock for an answer that stays true until the call)."""
-        if self.epoch == TRACE_EPOCH.epoch:
+        and what else the trace saw still holds (hold the lock for an answer that stays
+        true until the call)."""
+        epoch = TRACE_EPOCH.epoch
+        if self.epoch == epoch:
             return True
-        if _layout(self.assigned) != self.layout:
+        if _layout(self.assigned) != self.layout or not self.still():
             return False
-        self.epoch = TRACE_EPOCH.epoch
+        self.epoch = epoch
         return True
 
 
 def _layout(variables: Sequence[Owned]) -> tuple[Any, ...]:
     return tuple(getattr(_VALUE(v), "sharding", None) for v in variables)
+
+
+def _moved(old: Any, new: Any) -> bool:
+    """Whether a write from sharding ``old`` to ``new`` changes the placement."""
+    return old is not new and new is not None and old != new
 
 
 def _on_cpu(var: Owned) -> bool:
@@ -174,12 +221,28 @@ def _on_cpu(var: Owned) -> bool:
 class Ownership:
     """The state behind every variable's array (see the module docstring)."""
 
-    __slots__ = ("lock", "version", "cached")
+    __slots__ = ("lock", "version", "cached", "side", "open", "refused")
 
     def __init__(self) -> None:
         self.lock = STATE_LOCK
         self.version = 0
         self.cached: Program | None = None  # the program whose `last` inputs are live
+        # A call of a program with host callbacks holds the lock while it runs; meanwhile
+        # (``open``) reads need no lock (nothing is donated until the call writes, which it
+        # does after closing, under ``side``) and writes from its callbacks raise.
+        self.side = threading.Lock()
+        self.open = False
+        self.refused: CallbackWriteError | None = None  # raised in a callback meanwhile
+
+    def acquire(self) -> None:
+        """Take the state lock for a write: raises ``CallbackWriteError`` in a host callback
+        of a running call (which holds it). Call it first thing inside a ``try`` whose
+        ``finally`` releases the lock in one call, ignoring RuntimeError (an interrupt
+        before the lock was taken: nothing to release)."""
+        lock = self.lock
+        got = lock.acquire(False)
+        if not got or self.open:
+            self._reacquire(lock, got)
 
     # -- reading
     def adopt(self, var: Owned, value: Any, owned: bool) -> None:
@@ -195,11 +258,22 @@ class Ownership:
 
     def hand_out(self, var: Owned) -> Any:
         """The array, given to code outside paramstore: never donated from now on."""
-        with self.lock:
+        lock = self.lock
+        if not lock.acquire(False):
+            with self.side:  # a call with host callbacks runs: read its pre-call value
+                if self.open:
+                    value = var._value
+                    var._given = id(value)
+                    self.version += 1
+                    return value
+            lock.acquire()
+        try:
             value = var._value
             var._given = id(value)
             self.version += 1
             return value
+        finally:
+            lock.release()
 
     def leaf(self, var: Owned) -> Any:
         """A detached variable's value (a pytree leaf of a transformation: a tracer or the
@@ -233,29 +307,58 @@ class Ownership:
     # -- writing
     def write(self, var: Owned, new: Any, owned: bool = False) -> None:
         """The one write path of a variable's real array (callers checked dtype, shape and
-        placement). ``owned``: nobody outside this variable holds ``new``'s buffer."""
-        with self.lock:
+        placement). ``owned``: nobody outside this variable holds ``new``'s buffer. A new
+        placement moves ``TRACE_EPOCH``: a compiled program that pinned the old one is
+        checked before its next call (and traced anew), whatever path wrote."""
+        try:
+            self.acquire()
             self.version += 1
             if self.cached is not None:
                 self.release_cached()
+            old = getattr(var._value, "sharding", None)
             if owned:
                 var._value = new  # one store: atomic
             else:  # both fields in one C call: an interrupt sees both or neither
                 _EXHAUST(map(setattr, (var, var), ("_given", "_value"), (id(new), new)))
+            if old is not None and _moved(old, getattr(new, "sharding", None)):
+                TRACE_EPOCH.placed()
+        finally:
+            try:  # one C call (a signal's handler runs only after it returns)
+                self.lock.release()
+            except RuntimeError:
+                pass
 
     def write_many(
         self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
     ) -> None:
         """``write`` of owned values for many variables (a compiled step's outputs, a
         restore), then ``shared`` recorded as given (their arrays are also an output).
-        All-or-nothing against interrupts: the values are stored in one C call."""
-        with self.lock:
-            self.version += 1
-            self.release_cached()
-            _EXHAUST(map(_SET_VALUE, variables, values))
-            if shared:
-                ids = map(id, map(_VALUE, shared))
-                _EXHAUST(map(setattr, shared, repeat("_given"), ids))
+        All-or-nothing against interrupts: the values are stored in one C call. A new
+        placement moves ``TRACE_EPOCH`` (see ``write``)."""
+        try:
+            self.acquire()
+            old = [getattr(x, "sharding", None) for x in map(_VALUE, variables)]
+            self._store(variables, values, shared)
+            if any(o is not None and _moved(o, getattr(x, "sharding", None))
+                   for o, x in zip(old, values)):  # fmt: skip
+                TRACE_EPOCH.placed()
+        finally:
+            try:  # one C call (a signal's handler runs only after it returns)
+                self.lock.release()
+            except RuntimeError:
+                pass
+
+    def _store(
+        self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
+    ) -> None:
+        """``write_many`` of a compiled program's results (their placement is pinned: no
+        check); hold the lock."""
+        self.version += 1
+        self.release_cached()
+        _EXHAUST(map(_SET_VALUE, variables, values))
+        if shared:
+            ids = map(id, map(_VALUE, shared))
+            _EXHAUST(map(setattr, shared, repeat("_given"), ids))
 
     def update(
         self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
@@ -270,7 +373,9 @@ class Ownership:
         # raises RuntimeError without changing the lock (ignored, the interrupt goes on).
         lock = self.lock
         try:
-            lock.acquire()
+            got = lock.acquire(False)
+            if not got or self.open:
+                self._reacquire(lock, got)
             x = var._value
             self.version += 1
             if self.cached is not None:
@@ -291,6 +396,16 @@ class Ownership:
                 lock.release()
             except RuntimeError:
                 pass
+
+    def _reacquire(self, lock: Any, got: bool) -> None:
+        """The slow way into the lock for a write or a call: the lock is busy, or a call
+        with host callbacks holds it
+        (``got``: this thread holds it, so this is one of that call's callbacks; the
+        caller's ``finally`` releases it)."""
+        if got or (self.open and _foreign_thread()):
+            self.refused = _in_callback()
+            raise self.refused
+        lock.acquire()
 
     def update_cold(
         self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
@@ -344,7 +459,11 @@ class Ownership:
         """Run ``p`` on ``leaves`` atomically: gather, dispatch, write; its outputs."""
         if not p.fast:
             return self._call_cold(p, leaves)
-        with self.lock:
+        lock = self.lock
+        try:
+            got = lock.acquire(False)
+            if not got or self.open:
+                self._reacquire(lock, got)
             if self.version == p.version and self.cached is p:
                 don, ro = p.last  # the steady path, inlined: ~0.1 us a call
             else:  # (a reshard writes, so it ends the steady path: checked here)
@@ -367,18 +486,44 @@ class Ownership:
             self.cached = p
             p.last = (new[: p.n_donated], ro)
             p.version = self.version
+        finally:
+            try:
+                lock.release()
+            except RuntimeError:
+                pass
         return out
+
+    def compile(self, p: Program, leaves: list[Any]) -> None:
+        """Compile ``p`` for its first call, without the lock (seconds for a big program:
+        other threads' reads, writes and calls go on). jit keeps the executable, which
+        the first call, under the lock, then finds: the inputs it is lowered with have
+        the signature the call's will have (``private_copy`` keeps an array's commitment).
+        Its variables may change meanwhile: the call checks the program again under the
+        lock, and the arrays here are only looked at (shape, dtype, sharding)."""
+        if p.compiled:
+            return
+        don = list(map(_VALUE, p.donated))
+        ro = list(map(_VALUE, p.readonly))
+        try:
+            p.runner.lower(don, ro, leaves).compile()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001  # the call raises it, under the usual rules
+            return
+        p.compiled = True
 
     def _call_cold(self, p: Program, leaves: list[Any]) -> Any:
         """``call`` of a program's first call, of one whose outputs may share a variable's
         buffer, or of one with host callbacks: interrupts deferred; the first call (and
-        every call with host callbacks) waited for before anything is written."""
+        every call with host callbacks) waited for before anything is written. A first
+        call compiles first, outside the lock."""
+        if not p.warm:
+            self.compile(p, leaves)
         with deferred():
-            if p.wait:
-                return self._call_and_wait(p, leaves)
-            with self.lock:
+            try:
+                self.acquire()
                 if not p.current():
                     raise StaleProgram
+                if p.wait:
+                    return self._call_and_wait(p, leaves)
                 first = not p.warm
                 if first and p.copy_first:
                     self.release_cached()
@@ -391,38 +536,53 @@ class Ownership:
                 new, out = p.runner(don, ro, leaves)
                 if first:  # an error while it runs: raised here, nothing written
                     jax.block_until_ready((new, out))  # type: ignore[no-untyped-call]
-                self.write_many(p.assigned, new, p.shared)
+                self._store(p.assigned, new, p.shared)
                 if p.steady:
                     self.cached = p
                     p.last = (new[: p.n_donated], ro)
                     p.version = self.version
                 p.warm = True
                 p.fast = p.steady
+            finally:
+                try:
+                    self.lock.release()
+                except RuntimeError:
+                    pass
         return out
 
     def _call_and_wait(self, p: Program, leaves: list[Any]) -> Any:
         """Run ``p`` (a program that can raise on the host: no donation) and write its
-        results only after it finished; the lock is not held while it runs (a host
-        callback may read a variable), so the inputs are recorded as given first."""
-        with self.lock:
-            if not p.current():
-                raise StaleProgram
-            don = [self.hand_out(v) for v in p.donated]
-            ro = [self.hand_out(v) for v in p.readonly]
-        new, out = jax.block_until_ready(p.runner(don, ro, leaves))  # type: ignore[no-untyped-call]
-        with self.lock:
-            if new or p.shared:
-                self.write_many(p.assigned, new, p.shared)
-            else:
-                self.version += 1
-            p.warm = True
+        results only after it finished, all under the lock (held by the caller), so the
+        call is atomic with other threads' writes. Its host callbacks may read variables
+        meanwhile (``open``: they see the values from before the call, with no lock);
+        a write from them raises ``CallbackWriteError``."""
+        don = list(map(_VALUE, p.donated))
+        ro = list(map(_VALUE, p.readonly))
+        with self.side:
+            self.open, self.refused = True, None
+        try:
+            new, out = jax.block_until_ready(p.runner(don, ro, leaves))  # type: ignore[no-untyped-call]
+        except Exception as e:
+            refused, self.refused = self.refused, None
+            if refused is not None:  # JAX wraps it in its own error: raise it as it is
+                raise refused from e
+            raise
+        finally:
+            with self.side:
+                self.open = False
+        if new or p.shared:
+            self._store(p.assigned, new, p.shared)
+        else:
+            self.version += 1
+        p.warm = True
         return out
 
     @staticmethod
     def private_copy(x: Any) -> Any:
-        """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding (so a step
-        fed with it sees the same input signature and does not compile again)."""
-        return jax.device_put(x, x.sharding, may_alias=False)
+        """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding and
+        commitment (so a step fed with it sees the same input signature and does not
+        compile again)."""
+        return jax.device_put(x, x.sharding if x.committed else None, may_alias=False)
 
 
 private_copy = Ownership.private_copy

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 
-from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import EVAL, current_trace, staging
 from paramstore._core.ownership import Program, ownership
 from paramstore.variable import Variable
@@ -44,6 +43,7 @@ class Entry:
         donate: bool,
         wait: bool,
         shared: list[Variable],
+        layout: tuple[Any, ...],
     ) -> None:
         self.owner = owner
         self.runner = runner
@@ -52,7 +52,9 @@ class Entry:
         self.assigned = assigned
         # What ownership runs: the runner and the variables it moves (``shared``: whose
         # array an output is, or may be, after each call; recorded as handed out).
-        self.program = Program(runner, donated, readonly, assigned, shared, donate, wait)
+        self.program = Program(
+            runner, donated, readonly, assigned, shared, donate, wait, self._flags_hold, layout
+        )
         self.touches = bool(donated or readonly or assigned)
         self.out_tree = out_tree
         self.one_out = out_tree is not None and out_tree.num_nodes == out_tree.num_leaves == 1
@@ -64,17 +66,19 @@ class Entry:
         # the shardings its program writes back on (Program.current): checked again only
         # when some flag or sharding somewhere has changed since (TRACE_EPOCH).
         self.moved = list({id(v): v for v in (*donated, *readonly, *assigned)}.values())
-        self.flags = [v.trainable for v in self.moved]
-        self.epoch = TRACE_EPOCH.epoch
+        self.flags: list[bool] | None = [v.trainable for v in self.moved]
+        self.epoch = self.program.epoch
+
+    def _flags_hold(self) -> bool:
+        """Whether the variables' trainable flags are those the trace saw."""
+        return self.flags is not None and [v.trainable for v in self.moved] == self.flags
 
     def still_holds(self) -> bool:
         """Whether the variables' trainable flags and shardings are those the trace saw
         (then the entry is current again; else it must be traced anew)."""
-        if [v.trainable for v in self.moved] != self.flags:
-            return False
         if not self.program.current():
             return False
-        self.epoch = TRACE_EPOCH.epoch
+        self.epoch = self.program.epoch
         return True
 
     def __call__(self, leaves: list[Any]) -> Any:

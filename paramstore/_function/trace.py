@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
+from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import init_program, pure_jaxpr
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import in_host_memory
@@ -75,6 +76,7 @@ def trace_signature(
     over ``(args, kwargs)`` less the ``static`` ones) and build its entry. ``first``: the
     function's first trace, the only one that may create variables."""
     owner = f"ps.function '{name}'"
+    flags = TRACE_EPOCH.flags  # a trainable flag that changes during the trace: redone
     frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=first)
     ref_pos = [i for i, x in enumerate(leaves) if is_ref(x)]
     refs = {i: leaves[i] for i in ref_pos}
@@ -116,7 +118,8 @@ def trace_signature(
     if "error" in result:
         raise _explained(result["error"], owner)
     _sharding.settle_unplaced(result["assigned"], arrays, [v for v, _ in frame.captured.values()])
-    return _lift(
+    epoch = TRACE_EPOCH.epoch  # a placement that moves from here on: checked at the call
+    entry = _lift(
         name,
         closed,
         frame,
@@ -129,6 +132,11 @@ def trace_signature(
         in_shardings,
         out_shardings,
     )
+    if TRACE_EPOCH.flags != flags:
+        entry.flags = None  # it may have seen either value: stale, traced anew
+        epoch = -1
+    entry.epoch = entry.program.epoch = epoch
+    return entry
 
 
 def _lift(
@@ -171,7 +179,7 @@ def _lift(
     kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
     shared = _shared(moved, assigned, new_vars, kept)
     donating = donate and bool(donated) and not wait
-    runner = _runner(
+    runner, layout = _runner(
         jex.core.jaxpr_as_fun(program),
         n_out,
         order,
@@ -194,6 +202,7 @@ def _lift(
         donating,
         wait,
         shared,
+        layout,
     )
 
 
@@ -284,9 +293,10 @@ def _runner(
     donating: bool,
     arg_sh: list[Any] | None,
     out_sh: list[Any] | None,
-) -> Callable[..., Any]:
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """The ``jax.jit`` of ``fun`` (the lifted program) called as ``runner(donated,
-    readonly, arrays) -> (new values in the order of assigned, outputs)``."""
+    readonly, arrays) -> (new values in the order of assigned, outputs)``, and the
+    shardings of the assigned variables it was built for (which it pins)."""
 
     def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
         res = fun(*don, *ro, *arrays)
@@ -300,12 +310,13 @@ def _runner(
     # next call sees the same input shardings (no recompilation) and placement is kept.
     # (A variable in host memory, e.g. an optimizer slot with slot_memory_kind=, keeps
     # its memory kind the same way, even on one device.)
+    layout = tuple(getattr(ownership.peek(v), "sharding", None) for v in assigned)
     keep = [
         sh if len(sh.device_set) > 1 or in_host_memory(sh) else None
         for sh in (ownership.peek(v).sharding for v in assigned)
     ]
     has_keep = any(sh is not None for sh in keep)
-    return jax.jit(
+    runner = jax.jit(
         run,
         donate_argnums=(0,) if donating else (),
         in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
@@ -313,6 +324,7 @@ def _runner(
         if has_keep or out_sh is not None
         else None,
     )
+    return runner, layout
 
 
 def _has_host_callback(jaxpr: Any) -> bool:
