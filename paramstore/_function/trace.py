@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+from jax import ShapeDtypeStruct
 
 from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
@@ -25,6 +26,7 @@ from paramstore._core.jax_api import init_program, pure_jaxpr
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import in_host_memory
 from paramstore._function.entry import Entry
+from paramstore._function.failed import discard
 from paramstore._function.shardings import Shardings, leaf_shardings
 from paramstore._function.static import merge
 from paramstore.module import Module
@@ -110,11 +112,13 @@ def trace_signature(
     # (_trace), so no step in another thread donates what this trace holds.
     try:
         closed = jax.make_jaxpr(flat)(*arrays)
-    except jax.errors.ConcretizationTypeError as e:  # float(v), if x > 0, if training
-        _explained(e, owner)
+        if frame.created:
+            _initialize(closed, frame.created, result.get("error"))
+    except BaseException as e:
+        # Variables the trace created and could not give a value: unusable, in no store
+        discard([v for v, _ in frame.created if isinstance(ownership.peek(v), ShapeDtypeStruct)])
+        _explained(e, owner)  # float(v), if x > 0, if training: what to do
         raise
-    if frame.created:
-        _initialize(closed, frame.created, result.get("error"))
     if "error" in result:
         raise _explained(result["error"], owner)
     _sharding.settle_unplaced(result["assigned"], arrays, [v for v, _ in frame.captured.values()])
@@ -347,10 +351,7 @@ def _initialize(closed: Any, created: list[tuple[Variable, Any]], error: Any) ->
     used_out = [False] * (n_out - n_created) + [True] * n_created
     init, used_in = init_program(jaxpr, used_out)
     n_consts = len(jaxpr.constvars)
-    if any(used_in[n_consts:]):
-        for var, _ in created:
-            var._store._forget(var)  # the store it was created in, not the default now
-            ownership.take_initial(var, None)
+    if any(used_in[n_consts:]):  # no value for any of them: made unusable by the caller
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "
             "depends on the values of the function's arguments. An initial value may depend "

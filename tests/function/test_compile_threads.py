@@ -190,3 +190,54 @@ def test_a_flag_change_during_the_compile_traces_again_before_anything_is_writte
     # Old code: the compiled call checked only the placements, and wrote b.
     assert (float(a.numpy()), float(b.numpy())) == (1.0, 0.0)
     assert step.trace_count == 2
+
+
+# ----------------------------------------------- a failed first trace (issue 36, item 8)
+
+
+class _Builds(ps.Module):
+    """A layer that builds itself on its first call, wrongly from the input's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w: ps.Variable | None = None
+
+    def __call__(self, x):
+        if self.w is None:
+            self.w = ps.Variable(x * 2.0, name="w")
+        return self.w.value() * x
+
+
+def test_a_variable_of_a_failed_first_trace_is_unusable_and_in_no_store(_fresh_store):
+    layer = _Builds()
+    step = ps.function(lambda x: layer(x))
+    with pytest.raises(ValueError, match="depends on the values"):
+        step(jnp.ones(3))
+    zombie = layer.w
+    assert zombie is not None
+    assert _fresh_store.variables() == []
+    # Old code: value() returned a ShapeDtypeStruct and numpy() an object array.
+    for read in (zombie.value, zombie.numpy, lambda: float(zombie[0]), lambda: np.asarray(zombie)):
+        with pytest.raises(ValueError, match=r"Variable 'w'.* trace that failed"):
+            read()
+    with pytest.raises(ValueError, match=r"Variable 'w'.*assigned"):
+        zombie.assign(jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"Variable 'w'"):
+        ps.state(layer)
+    assert "unusable" in repr(zombie)
+    assert zombie.shape == (3,)  # its metadata stays
+
+
+def test_an_interrupt_in_a_first_trace_leaves_no_placeholder_behind(_fresh_store):
+    made: list[ps.Variable] = []
+
+    @ps.function
+    def step(x):
+        made.append(ps.Variable(jnp.zeros_like(x), name="v"))
+        raise KeyboardInterrupt  # as Ctrl-C would, in the traced body
+
+    with pytest.raises(KeyboardInterrupt):
+        step(jnp.ones(2))
+    assert _fresh_store.variables() == []
+    with pytest.raises(ValueError, match=r"Variable 'v'"):
+        made[0].value()
