@@ -67,8 +67,8 @@ import jax
 from paramstore._core import frames as _trace
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import ARRAY_TYPE
-from paramstore._core.ownership import StaleProgram, ownership
-from paramstore._function.entry import Entry
+from paramstore._core.ownership import ownership
+from paramstore._function.entry import Entry, StaleProgram
 from paramstore._function.static import split, static_args, unhashable_message
 from paramstore._function.trace import Shardings, is_ref, trace_signature
 from paramstore._variable.initial import flag
@@ -274,7 +274,7 @@ class Function(Generic[P, R]):
             return
         for fast_key in [k for k, e in self._fast.items() if e is entry]:
             del self._fast[fast_key]
-        ownership.drop(entry.program)
+        entry.retire()
 
     def _trace_signature(
         self, key: Any, leaves: list[Any], treedef: Any, static: tuple[Any, ...]

@@ -18,22 +18,21 @@ Rules:
   array; an array that came out of the variable's own computation (an eager update, a
   compiled step, a private copy) is owned (``_given`` no longer matches it), one that the
   caller passed in (``assign(x)`` of a ``jax.Array``) is recorded as given at once.
-* **Donation is decided here** (``step_inputs``): a given array is copied once
-  (``private_copy``) and the copy is donated; an owned one is donated directly.
-* **Compiled programs are ownership's own objects.** The function machinery registers each
-  compiled program once as a ``Program`` (its runner and the variables it moves), which it
-  only passes to ``call`` and ``drop``; the per-program cache state inside is ownership's.
-* **The steady-path cache.** ``version`` is bumped by every write and every hand-out. A
-  compiled program that finds it unchanged since its own last call (and is still ``cached``)
-  knows that its inputs are exactly its last outputs and that nobody was handed them, so
-  it skips the per-variable gather (602 variables: 41 of 58 us per call, measured
-  2026-11-22). Every write releases the cache, so it never pins buffers that variables no
-  longer hold.
+* **Compiled programs decide, ownership gathers and writes.** The function layer's
+  ``_function.entry.Entry`` (one per traced signature) decides what each call passes and
+  donates and keeps its own steady-path cache (``last``); ownership gathers the arrays
+  (``gather``: and which were handed out, never to be donated), dispatches a warm program
+  and stores its results atomically (``dispatch``), stores a cold call's (``store``), and
+  empties every cache on a write (``release_cached``: no cache pins a buffer a variable
+  no longer holds). ``version`` is bumped by every write and every hand-out, not by
+  compiled calls: an entry whose ``version`` is current knows nobody was handed its inputs.
+* **Host reads hand nothing out.** ``host`` copies a value to NumPy under the lock, so the
+  next step still donates the buffer (``v.numpy()``, ``float(v)``).
 * ``lock`` (the state lock, ``_core.context.STATE_LOCK``) is held by every write, every
   hand-out and each compiled call's gather-dispatch-write, so each is atomic. It is never
   held while user code is traced or compiled: a program's first call compiles it first
-  (``compile``, outside the lock) and checks it is still current under the lock before
-  it runs (``StaleProgram``: traced anew). A call of a program with host callbacks holds
+  (the function layer's ``Entry``, outside the lock, lowering with ``specs``) and checks it
+  is still current under the lock before it runs (else it is traced anew). A call of a program with host callbacks holds
   it until its results are written (atomic with other threads' writes): meanwhile reads
   need no lock (``open``: nothing is donated before that call writes) and a write from one
   of its callbacks raises ``CallbackWriteError`` (it could only be lost, or deadlock).
@@ -47,8 +46,8 @@ signal handler raises can land wherever the main thread checks for signals (a Py
 function's start, right after any call returns, a backward jump), so every change here
 is ordered to be all-or-nothing (see ``_core.interrupts``):
 
-* caches are invalidated (``version`` bumped) *before* anything is donated, so an
-  interrupted call never leaves a cache that points at donated buffers;
+* caches are emptied *before* anything is donated, so an interrupted call never leaves a
+  cache that points at donated buffers;
 * where a buffer is donated, the dispatch and the keeping of its results are one C call
   (``box.extend(map(runner, ...))``: no bytecode runs between them, so no signal handler
   either); the results are then stored into the variables, and an exception that lands
@@ -81,14 +80,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
-from typing import Any
+from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from paramstore._core.context import STATE_LOCK, TRACE_EPOCH
 from paramstore._core.interrupts import deferred
 
-__all__ = ["Ownership", "ownership", "Owned", "Program", "StaleProgram", "CallbackWriteError"]
+__all__ = ["Ownership", "ownership", "Owned", "Cache", "CallbackWriteError"]
 
 _VALUE = operator.attrgetter("_value")
 _GIVEN = operator.attrgetter("_given")
@@ -112,10 +112,11 @@ class Owned:
 _SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the slot's setter
 
 
-class StaleProgram(Exception):
-    """Raised by ``ownership.call`` (nothing run, nothing written) for a program whose
-    assigned variables are no longer on the shardings it was compiled to write them on
-    (``ps.sharding.reshard`` moved one since): the function machinery traces anew."""
+class Cache(Protocol):
+    """What a compiled program of the function layer keeps of its last call's inputs
+    (``last``: its steady path); ``Ownership.release_cached`` empties it on every write."""
+
+    last: Any
 
 
 class CallbackWriteError(RuntimeError):
@@ -141,81 +142,9 @@ def _foreign_thread() -> bool:
     return isinstance(threading.current_thread(), threading._DummyThread)
 
 
-class Program:
-    """One compiled program of the function machinery, registered once: ``runner(donated
-    arrays, read-only arrays, leaves)`` returns ``(new values of assigned, outputs)``;
-    ``shared``: variables whose array an output may be after a call; ``donate``: the
-    runner donates its first argument; ``wait``: it has host callbacks (never donates;
-    waited for under the lock, its callbacks reading freely). The function machinery only passes it to
-    ``ownership.call`` and ``ownership.drop``; only ``ownership`` changes its cache state."""
-
-    __slots__ = (
-        "runner", "donated", "readonly", "assigned", "shared", "donate", "wait", "steady",
-        "n_donated", "copy_first", "warm", "fast", "version", "last", "layout", "epoch",
-        "still", "compiled",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        runner: Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], Any]],
-        donated: Sequence[Owned],
-        readonly: Sequence[Owned],
-        assigned: Sequence[Owned],
-        shared: Sequence[Owned],
-        donate: bool,
-        wait: bool,
-        still: Callable[[], bool] = lambda: True,
-        layout: tuple[Any, ...] | None = None,
-    ) -> None:
-        self.runner = runner
-        self.donated = tuple(donated)  # read and assigned, their old buffers donated
-        self.readonly = tuple(readonly)  # read only
-        self.assigned = tuple(assigned)  # in the order of the runner's new values
-        self.shared = tuple(shared)  # whose array an output may be, after each call
-        self.donate = donate and not wait
-        self.wait = wait  # host callbacks: no donation, waited for under the lock
-        self.steady = not shared  # no output shares a variable's buffer: steady path
-        self.n_donated = len(self.donated)
-        # The first call donates private copies on CPU (module docstring).
-        self.copy_first = self.donate and any(_on_cpu(v) for v in self.donated)
-        self.warm = False  # the first call succeeded: jit's C++ dispatch has it
-        self.fast = False  # warm, steady and no host callbacks: the steady path
-        self.version = -1
-        self.last: tuple[Any, Any] = ((), ())
-        # The shardings its runner writes the assigned variables back on (jit's
-        # out_shardings pin them): checked again when TRACE_EPOCH moved (a reshard).
-        self.layout = _layout(self.assigned) if layout is None else layout
-        # A flag or placement that changes later (during the compile too) is checked
-        # (``layout``, and ``still``: the function layer's check) before any write.
-        self.epoch = TRACE_EPOCH.epoch
-        self.still = still  # the function layer's check of what else the trace depends on
-        self.compiled = False  # compiled ahead of its first call, outside the lock
-
-    def current(self) -> bool:
-        """Whether the assigned variables are still on the shardings the program writes
-        and what else the trace saw still holds (hold the lock for an answer that stays
-        true until the call)."""
-        epoch = TRACE_EPOCH.epoch
-        if self.epoch == epoch:
-            return True
-        if _layout(self.assigned) != self.layout or not self.still():
-            return False
-        self.epoch = epoch
-        return True
-
-
-def _layout(variables: Sequence[Owned]) -> tuple[Any, ...]:
-    return tuple(getattr(_VALUE(v), "sharding", None) for v in variables)
-
-
 def _moved(old: Any, new: Any) -> bool:
     """Whether a write from sharding ``old`` to ``new`` changes the placement."""
     return old is not new and new is not None and old != new
-
-
-def _on_cpu(var: Owned) -> bool:
-    sharding = getattr(var._value, "sharding", None)
-    return sharding is None or any(d.platform == "cpu" for d in sharding.device_set)
 
 
 class Ownership:
@@ -226,7 +155,7 @@ class Ownership:
     def __init__(self) -> None:
         self.lock = STATE_LOCK
         self.version = 0
-        self.cached: Program | None = None  # the program whose `last` inputs are live
+        self.cached: set[Cache] = set()  # programs whose `last` inputs are live
         # A call of a program with host callbacks holds the lock while it runs; meanwhile
         # (``open``) reads need no lock (nothing is donated until the call writes, which it
         # does after closing, under ``side``) and writes from its callbacks raise.
@@ -242,7 +171,7 @@ class Ownership:
         lock = self.lock
         got = lock.acquire(False)
         if not got or self.open:
-            self._reacquire(lock, got)
+            self.contended(lock, got)
 
     # -- reading
     def adopt(self, var: Owned, value: Any, owned: bool) -> None:
@@ -313,11 +242,12 @@ class Ownership:
         try:
             self.acquire()
             self.version += 1
-            if self.cached is not None:
+            if self.cached:
                 self.release_cached()
             old = getattr(var._value, "sharding", None)
             if owned:
                 var._value = new  # one store: atomic
+                var._given = 0  # (after it: an interrupt between leaves a stale record)
             else:  # both fields in one C call: an interrupt sees both or neither
                 _EXHAUST(map(setattr, (var, var), ("_given", "_value"), (id(new), new)))
             if old is not None and _moved(old, getattr(new, "sharding", None)):
@@ -338,7 +268,7 @@ class Ownership:
         try:
             self.acquire()
             old = [getattr(x, "sharding", None) for x in map(_VALUE, variables)]
-            self._store(variables, values, shared)
+            self.store(variables, values, shared)
             if any(o is not None and _moved(o, getattr(x, "sharding", None))
                    for o, x in zip(old, values)):  # fmt: skip
                 TRACE_EPOCH.placed()
@@ -347,18 +277,6 @@ class Ownership:
                 self.lock.release()
             except RuntimeError:
                 pass
-
-    def _store(
-        self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
-    ) -> None:
-        """``write_many`` of a compiled program's results (their placement is pinned: no
-        check); hold the lock."""
-        self.version += 1
-        self.release_cached()
-        _EXHAUST(map(_SET_VALUE, variables, values))
-        if shared:
-            ids = map(id, map(_VALUE, shared))
-            _EXHAUST(map(setattr, shared, repeat("_given"), ids))
 
     def update(
         self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
@@ -375,10 +293,10 @@ class Ownership:
         try:
             got = lock.acquire(False)
             if not got or self.open:
-                self._reacquire(lock, got)
+                self.contended(lock, got)
             x = var._value
             self.version += 1
-            if self.cached is not None:
+            if self.cached:
                 self.release_cached()
             if var._given != id(x):  # donated: see the module docstring, "Interrupts"
                 box: list[Any] = []
@@ -397,7 +315,7 @@ class Ownership:
             except RuntimeError:
                 pass
 
-    def _reacquire(self, lock: Any, got: bool) -> None:
+    def contended(self, lock: Any, got: bool) -> None:
         """The slow way into the lock for a write or a call: the lock is busy, or a call
         with host callbacks holds it
         (``got``: this thread holds it, so this is one of that call's callbacks; the
@@ -427,155 +345,126 @@ class Ownership:
             var._override = _NO_OVERRIDE
             return default if value is _NO_OVERRIDE else value
 
-    # -- compiled programs
+    # -- compiled programs: gathers and writes (the function layer decides and dispatches)
     def release_cached(self) -> None:
-        """Drop the live cache (call under the lock, when variables get new arrays)."""
-        holder = self.cached
-        if holder is not None:
-            self.cached = None
-            holder.last = ((), ())
+        """Empty every program's cached inputs (hold the lock; when variables get new
+        arrays, so no cache pins buffers the variables no longer hold)."""
+        cached = self.cached
+        if cached:
+            for holder in cached:
+                holder.last = None
+            cached.clear()
 
-    def drop(self, program: Program) -> None:
-        """Forget ``program`` (its function dropped it): its cached inputs are released."""
-        with self.lock:
-            if self.cached is program:
-                self.release_cached()
+    def keep(self, holder: Cache, last: Any) -> None:
+        """``holder`` caches ``last`` (its inputs for its next call), until a write."""
+        self.cached.add(holder)
+        holder.last = last
 
-    def step_inputs(self, p: Program) -> tuple[list[Any], list[Any]]:
-        """The donated and read-only inputs of ``p`` (hold the lock): a given donated
-        array is replaced by a private copy."""
-        if self.version == p.version and self.cached is p:
-            return p.last
-        self.release_cached()
-        donated = p.donated
+    def gather(
+        self, donated: Sequence[Owned], readonly: Sequence[Owned]
+    ) -> tuple[list[Any], list[Any], list[bool] | None]:
+        """The arrays of a program's donated and read-only inputs (hold the lock), and
+        which donated ones were handed out (None: none was), so never to be donated."""
         don = list(map(_VALUE, donated))
-        if p.donate:  # C-level maps: 602 variables in ~20 us
-            given = list(map(operator.eq, map(_GIVEN, donated), map(id, don)))
-            if any(given):
-                don = [private_copy(x) if g else x for x, g in zip(don, given)]
-        return don, list(map(_VALUE, p.readonly))
+        given = list(map(operator.eq, map(_GIVEN, donated), map(id, don)))
+        return don, list(map(_VALUE, readonly)), given if any(given) else None
 
-    def call(self, p: Program, leaves: list[Any]) -> Any:
-        """Run ``p`` on ``leaves`` atomically: gather, dispatch, write; its outputs."""
-        if not p.fast:
-            return self._call_cold(p, leaves)
-        lock = self.lock
-        try:
-            got = lock.acquire(False)
-            if not got or self.open:
-                self._reacquire(lock, got)
-            if self.version == p.version and self.cached is p:
-                don, ro = p.last  # the steady path, inlined: ~0.1 us a call
-            else:  # (a reshard writes, so it ends the steady path: checked here)
-                if p.epoch != TRACE_EPOCH.epoch and not p.current():
-                    raise StaleProgram
-                don, ro = self.step_inputs(p)
-            self.version += 1  # before the donation: no cache outlives the inputs
-            # Dispatch (jit's C++ path: warm) and keep the results in one C call, then
-            # store them; an interrupt meanwhile stores them all before it propagates.
-            box: list[Any] = []
-            try:
-                box.extend(map(p.runner, (don,), (ro,), (leaves,)))
-                new, out = box[0]
-                for var, value in zip(p.assigned, new):
-                    var._value = value
-            except BaseException:
-                if box:
-                    _EXHAUST(map(_SET_VALUE, p.assigned, box[0][0]))
-                raise
-            self.cached = p
-            p.last = (new[: p.n_donated], ro)
-            p.version = self.version
-        finally:
-            try:
-                lock.release()
-            except RuntimeError:
-                pass
+    def values(self, variables: Sequence[Owned]) -> list[Any]:
+        """The arrays, passed to a program that donates none (hold the lock)."""
+        return list(map(_VALUE, variables))
+
+    @staticmethod
+    def specs(variables: Sequence[Owned]) -> list[Any]:
+        """What to lower a program with to compile it ahead of its first call: each
+        array's shape, dtype, weak type, and sharding only where committed (so jit finds
+        the executable when the call passes the arrays, or ``private_copy``s of them)."""
+        out = []
+        for x in map(_VALUE, variables):
+            if isinstance(x, jax.Array) and hasattr(x, "weak_type"):  # (a key array: as it is)
+                sh = x.sharding if x.committed else None
+                x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh, weak_type=x.weak_type)
+            out.append(x)
         return out
 
-    def compile(self, p: Program, leaves: list[Any]) -> None:
-        """Compile ``p`` for its first call, without the lock (seconds for a big program:
-        other threads' reads, writes and calls go on). jit keeps the executable, which
-        the first call, under the lock, then finds: the inputs it is lowered with have
-        the signature the call's will have (``private_copy`` keeps an array's commitment).
-        Its variables may change meanwhile: the call checks the program again under the
-        lock, and the arrays here are only looked at (shape, dtype, sharding)."""
-        if p.compiled:
-            return
-        don = list(map(_VALUE, p.donated))
-        ro = list(map(_VALUE, p.readonly))
+    def dispatch(
+        self, runner: Callable[..., Any], don: Any, ro: Any, leaves: Any, assigned: Sequence[Owned]
+    ) -> tuple[list[Any], Any]:
+        """Run a warm program (jit's C++ dispatch: no Python after its donation) and store
+        its new values in ``assigned`` (hold the lock; the caller emptied every cache its
+        inputs were in). Dispatch and keeping the results are one C call; an interrupt
+        after it stores them all before it propagates."""
+        box: list[Any] = []
         try:
-            p.runner.lower(don, ro, leaves).compile()  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001  # the call raises it, under the usual rules
-            return
-        p.compiled = True
+            box.extend(map(runner, (don,), (ro,), (leaves,)))
+            new, out = box[0]
+            for var, value in zip(assigned, new):
+                var._value = value
+        except BaseException:
+            if box:
+                _EXHAUST(map(_SET_VALUE, assigned, box[0][0]))
+            raise
+        return new, out
 
-    def _call_cold(self, p: Program, leaves: list[Any]) -> Any:
-        """``call`` of a program's first call, of one whose outputs may share a variable's
-        buffer, or of one with host callbacks: interrupts deferred; the first call (and
-        every call with host callbacks) waited for before anything is written. A first
-        call compiles first, outside the lock."""
-        if not p.warm:
-            self.compile(p, leaves)
-        with deferred():
-            try:
-                self.acquire()
-                if not p.current():
-                    raise StaleProgram
-                if p.wait:
-                    return self._call_and_wait(p, leaves)
-                first = not p.warm
-                if first and p.copy_first:
-                    self.release_cached()
-                    don = [private_copy(x) for x in map(_VALUE, p.donated)]
-                    ro = list(map(_VALUE, p.readonly))
-                else:
-                    don, ro = self.step_inputs(p)
-                self.version += 1
-                self.release_cached()
-                new, out = p.runner(don, ro, leaves)
-                if first:  # an error while it runs: raised here, nothing written
-                    jax.block_until_ready((new, out))  # type: ignore[no-untyped-call]
-                self._store(p.assigned, new, p.shared)
-                if p.steady:
-                    self.cached = p
-                    p.last = (new[: p.n_donated], ro)
-                    p.version = self.version
-                p.warm = True
-                p.fast = p.steady
-            finally:
-                try:
-                    self.lock.release()
-                except RuntimeError:
-                    pass
-        return out
+    def store(
+        self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
+    ) -> None:
+        """``write_many`` of a compiled program's results (their placement is pinned: no
+        check), then ``shared`` recorded as handed out; hold the lock."""
+        self.version += 1
+        self.release_cached()
+        _EXHAUST(map(_SET_VALUE, variables, values))
+        self.fresh(variables)
+        if shared:
+            ids = map(id, map(_VALUE, shared))
+            _EXHAUST(map(setattr, shared, repeat("_given"), ids))
 
-    def _call_and_wait(self, p: Program, leaves: list[Any]) -> Any:
-        """Run ``p`` (a program that can raise on the host: no donation) and write its
-        results only after it finished, all under the lock (held by the caller), so the
-        call is atomic with other threads' writes. Its host callbacks may read variables
-        meanwhile (``open``: they see the values from before the call, with no lock);
-        a write from them raises ``CallbackWriteError``."""
-        don = list(map(_VALUE, p.donated))
-        ro = list(map(_VALUE, p.readonly))
+    @staticmethod
+    def fresh(variables: Sequence[Owned]) -> None:
+        """Forget the hand-outs recorded for ``variables``, whose arrays were just replaced
+        by fresh ones (after the store: an interrupt between leaves a stale record, which
+        costs a copy at most). Else a new array that reuses a dead hand-out's id would
+        look handed out."""
+        _EXHAUST(map(setattr, variables, repeat("_given"), repeat(0)))
+
+    def run_open(self, runner: Callable[..., Any], don: Any, ro: Any, leaves: Any) -> Any:
+        """Run a program with host callbacks and wait for it, holding the lock (held by
+        the caller): meanwhile its callbacks may read variables (``open``: their values
+        from before the call) and a write from one raises ``CallbackWriteError``, which
+        is raised here as it is (JAX wraps it in its own error)."""
         with self.side:
             self.open, self.refused = True, None
         try:
-            new, out = jax.block_until_ready(p.runner(don, ro, leaves))  # type: ignore[no-untyped-call]
+            return jax.block_until_ready(runner(don, ro, leaves))  # type: ignore[no-untyped-call]
         except Exception as e:
             refused, self.refused = self.refused, None
-            if refused is not None:  # JAX wraps it in its own error: raise it as it is
+            if refused is not None:
                 raise refused from e
             raise
         finally:
             with self.side:
                 self.open = False
-        if new or p.shared:
-            self._store(p.assigned, new, p.shared)
-        else:
-            self.version += 1
-        p.warm = True
-        return out
+
+    def host(self, var: Owned) -> Any:
+        """A host (NumPy) copy of the value, taken under the lock without handing the
+        buffer out (so the next step still donates it: no device copy). It waits under
+        the lock for the step in flight that computes the value (which the caller waits
+        for anyway); another thread's write meanwhile waits as long at most."""
+        lock = self.lock
+        if not lock.acquire(False):
+            with self.side:  # a call with host callbacks runs: its pre-call value
+                if self.open:
+                    return np.array(var._value, copy=True)
+            lock.acquire()
+        try:
+            return np.array(var._value, copy=True)
+        finally:
+            lock.release()
+
+    @staticmethod
+    def on_cpu(var: Owned) -> bool:
+        """Whether the variable's array is (also) on a CPU device."""
+        sharding = getattr(var._value, "sharding", None)
+        return sharding is None or any(d.platform == "cpu" for d in sharding.device_set)
 
     @staticmethod
     def private_copy(x: Any) -> Any:
@@ -586,4 +475,5 @@ class Ownership:
 
 
 private_copy = Ownership.private_copy
+on_cpu = Ownership.on_cpu
 ownership = Ownership()

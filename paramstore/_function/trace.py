@@ -139,7 +139,7 @@ def trace_signature(
     if TRACE_EPOCH.flags != flags:
         entry.flags = None  # it may have seen either value: stale, traced anew
         epoch = -1
-    entry.epoch = entry.program.epoch = epoch
+    entry.epoch = entry.checked = epoch
     return entry
 
 
@@ -183,7 +183,7 @@ def _lift(
     kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
     shared = _shared(moved, assigned, new_vars, kept)
     donating = donate and bool(donated) and not wait
-    runner, layout = _runner(
+    runner, layout, twin = _runner(
         jex.core.jaxpr_as_fun(program),
         n_out,
         order,
@@ -207,6 +207,7 @@ def _lift(
         wait,
         shared,
         layout,
+        twin,
     )
 
 
@@ -297,10 +298,11 @@ def _runner(
     donating: bool,
     arg_sh: list[Any] | None,
     out_sh: list[Any] | None,
-) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+) -> tuple[Callable[..., Any], tuple[Any, ...], Callable[[tuple[bool, ...]], Masked]]:
     """The ``jax.jit`` of ``fun`` (the lifted program) called as ``runner(donated,
-    readonly, arrays) -> (new values in the order of assigned, outputs)``, and the
-    shardings of the assigned variables it was built for (which it pins)."""
+    readonly, arrays) -> (new values in the order of assigned, outputs)``, the shardings
+    of the assigned variables it was built for (which it pins), and the maker of its
+    masked twins (``_masked``)."""
 
     def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
         res = fun(*don, *ro, *arrays)
@@ -320,15 +322,57 @@ def _runner(
         for sh in (ownership.peek(v).sharding for v in assigned)
     ]
     has_keep = any(sh is not None for sh in keep)
+    in_sh = (None, None, arg_sh) if arg_sh is not None else None
+    out_shs = (keep if has_keep else None, out_sh) if has_keep or out_sh is not None else None
+
     runner = jax.jit(
         run,
         donate_argnums=(0,) if donating else (),
-        in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
-        out_shardings=(keep if has_keep else None, out_sh)
-        if has_keep or out_sh is not None
-        else None,
+        in_shardings=in_sh,
+        out_shardings=out_shs,
     )
-    return runner, layout
+
+    def masked(given: tuple[bool, ...]) -> Masked:
+        return _masked(run, given, len(assigned), keep if has_keep else None, out_sh, arg_sh)
+
+    return runner, layout, masked
+
+
+Masked = tuple[Callable[..., Any], list[int]]
+
+
+def _masked(
+    run: Callable[..., Any],
+    given: tuple[bool, ...],
+    n_assigned: int,
+    keep: list[Any] | None,
+    out_sh: list[Any] | None,
+    arg_sh: list[Any] | None,
+) -> Masked:
+    """A twin of the runner that donates the donated inputs except those ``given`` (handed
+    out: passed, not donated, not copied), called as ``twin(kept, (given arrays,
+    read-only), arrays)``, and the order of the assigned variables its new values come in:
+    the kept ones first, so jit pairs each donated buffer with its own variable's new
+    value (it pairs by shape and dtype, in order)."""
+    kept_i = [i for i, g in enumerate(given) if not g]
+    given_i = [i for i, g in enumerate(given) if g]
+    perm = kept_i + given_i + list(range(len(given), n_assigned))
+
+    def twin(kept: list[Any], rest: tuple[list[Any], list[Any]], arrays: list[Any]) -> Any:
+        held, ro = rest
+        don: list[Any] = [None] * len(given)
+        for i, x in zip(kept_i, kept):
+            don[i] = x
+        for i, x in zip(given_i, held):
+            don[i] = x
+        new, out = run(don, ro, arrays)
+        return [new[i] for i in perm], out
+
+    in_sh = (None, None, arg_sh) if arg_sh is not None else None
+    new_sh = [keep[i] for i in perm] if keep is not None else None
+    out_shs = (new_sh, out_sh) if new_sh is not None or out_sh is not None else None
+    jitted = jax.jit(twin, donate_argnums=(0,), in_shardings=in_sh, out_shardings=out_shs)
+    return jitted, perm
 
 
 def _has_host_callback(jaxpr: Any) -> bool:
