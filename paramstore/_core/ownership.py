@@ -59,18 +59,9 @@ is ordered to be all-or-nothing (see ``_core.interrupts``):
   is assumed to stay in jit's C++ cache; after ``jax.clear_caches()`` its next call runs
   jit's Python dispatch undeferred.)
 
-A compiled program's first call is also checked before its results are swapped in: it is
-waited for, and an error raised while it runs (out of memory, a failed host callback)
-leaves every variable as it was. On the CPU backend XLA allocates a program's temporaries
-while it runs, after its donated inputs are consumed, so that first call donates private
-copies. On GPU/TPU XLA allocates a program's buffers when it launches it, and an
-allocation failure is raised by the call before any donation is committed. Later calls
-are not waited for (that would serialise host and device: 2x per step on the
-dispatch-bound benchmark); a program that ran once needs the same memory again.
-
 An id may be reused after its array died: a fresh array that happens to get the id of an
-old hand-out only costs one extra copy (the safe direction); a handed-out array that is
-alive keeps its id, so a live hand-out is never mistaken for an owned buffer.
+old hand-out only costs one extra copy (the safe direction; stores of fresh arrays forget
+the record, ``fresh``); a live hand-out keeps its id, so it is never mistaken for owned.
 """
 
 from __future__ import annotations
@@ -86,6 +77,7 @@ import jax
 import numpy as np
 
 from paramstore._core.context import STATE_LOCK, TRACE_EPOCH
+from paramstore._core.hostcalls import CallbackWriteError, foreign_thread, refused
 from paramstore._core.interrupts import deferred
 
 __all__ = ["Ownership", "ownership", "Owned", "Cache", "CallbackWriteError"]
@@ -117,29 +109,6 @@ class Cache(Protocol):
     (``last``: its steady path); ``Ownership.release_cached`` empties it on every write."""
 
     last: Any
-
-
-class CallbackWriteError(RuntimeError):
-    """Raised by a write (an assign, a compiled call) made by a host callback of a compiled
-    program that is running: the call holds the state lock until it has written its own
-    results, so the write could only be lost or deadlock. Nothing is changed."""
-
-
-def _in_callback(name: str = "") -> CallbackWriteError:
-    what = f"variable '{name}'" if name else "variables"
-    return CallbackWriteError(
-        f"Cannot assign {what} (or call a ps.function) from a host callback "
-        "(jax.debug.callback, io_callback, pure_callback) of a running ps.function: the call "
-        "is atomic and writes its own results when its program ends, so this write would be "
-        "lost or wait forever. Reading variables there is allowed (it sees their values from "
-        "before the call); return the value from the callback, or assign after the call."
-    )
-
-
-def _foreign_thread() -> bool:
-    """Whether this thread was not started by Python (an XLA runtime thread running a host
-    callback: ``threading`` knows it only as a dummy)."""
-    return isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def _moved(old: Any, new: Any) -> bool:
@@ -188,21 +157,24 @@ class Ownership:
     def hand_out(self, var: Owned) -> Any:
         """The array, given to code outside paramstore: never donated from now on."""
         lock = self.lock
-        if not lock.acquire(False):
-            with self.side:  # a call with host callbacks runs: read its pre-call value
-                if self.open:
-                    value = var._value
-                    var._given = id(value)
-                    self.version += 1
-                    return value
-            lock.acquire()
-        try:
+        try:  # the acquire inside: an interrupt right after it still releases
+            if not lock.acquire(False):
+                with self.side:  # a call with host callbacks runs: read its pre-call value
+                    if self.open:
+                        value = var._value
+                        var._given = id(value)
+                        self.version += 1
+                        return value  # (not holding the lock: the release is refused)
+                lock.acquire()
             value = var._value
             var._given = id(value)
             self.version += 1
             return value
         finally:
-            lock.release()
+            try:  # one C call; RuntimeError: not held (nothing to release)
+                lock.release()
+            except RuntimeError:
+                pass
 
     def leaf(self, var: Owned) -> Any:
         """A detached variable's value (a pytree leaf of a transformation: a tracer or the
@@ -320,8 +292,8 @@ class Ownership:
         with host callbacks holds it
         (``got``: this thread holds it, so this is one of that call's callbacks; the
         caller's ``finally`` releases it)."""
-        if got or (self.open and _foreign_thread()):
-            self.refused = _in_callback()
+        if got or (self.open and foreign_thread()):
+            self.refused = refused()
             raise self.refused
         lock.acquire()
 
@@ -450,15 +422,18 @@ class Ownership:
         the lock for the step in flight that computes the value (which the caller waits
         for anyway); another thread's write meanwhile waits as long at most."""
         lock = self.lock
-        if not lock.acquire(False):
-            with self.side:  # a call with host callbacks runs: its pre-call value
-                if self.open:
-                    return np.array(var._value, copy=True)
-            lock.acquire()
-        try:
+        try:  # as hand_out
+            if not lock.acquire(False):
+                with self.side:  # a call with host callbacks runs: its pre-call value
+                    if self.open:
+                        return np.array(var._value, copy=True)
+                lock.acquire()
             return np.array(var._value, copy=True)
         finally:
-            lock.release()
+            try:
+                lock.release()
+            except RuntimeError:
+                pass
 
     @staticmethod
     def on_cpu(var: Owned) -> bool:

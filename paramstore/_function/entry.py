@@ -7,6 +7,15 @@ and its steady-path state (``last``: the inputs of its next call, when they are 
 last call's outputs). ``_core.ownership`` only gathers the variables' arrays, writes them
 and records hand-outs; every decision is taken here.
 
+First calls. A program's first call is compiled ahead, outside the lock, then checked
+before its results are swapped in: it is waited for, and an error raised while it runs
+(out of memory, a failed host callback) leaves every variable as it was. On the CPU backend XLA allocates a program's temporaries
+while it runs, after its donated inputs are consumed, so that first call donates private
+copies. On GPU/TPU XLA allocates a program's buffers when it launches it, and an
+allocation failure is raised by the call before any donation is committed. Later calls
+are not waited for (that would serialise host and device: 2x per step on the
+dispatch-bound benchmark); a program that ran once needs the same memory again.
+
 ``Entry.__call__`` is what every ``ps.function`` call runs once its signature is known. It
 is performance-critical (~5 us per call in all): no call layers are added to its steady
 path.

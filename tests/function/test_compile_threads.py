@@ -15,7 +15,7 @@ import pytest
 from _bounded import in_thread
 
 import paramstore as ps
-from paramstore._core.ownership import CallbackWriteError
+from paramstore._core.hostcalls import CallbackWriteError
 
 
 @pytest.fixture(autouse=True)
