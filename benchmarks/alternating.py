@@ -10,7 +10,8 @@ reference's (so load that changes during the run cancels out). The reference is 
 loop hand-written: ``jax.jit`` over ``(params, opt_state)`` with donation, and a ``jax.jit``
 eval step over the params.
 
-Rows:
+Each loop first runs for ``--warmup`` seconds (compiles, including a program paramstore
+compiles in the background for a read that recurs). Rows:
 * step alone: one train step per iteration;
 * train alternating with eval: a train step, then an eval step (loss on another batch);
 * train then a read: a train step, then one parameter read (``w.value()``: the hand-written
@@ -152,14 +153,18 @@ def paramstore_loop() -> Loop:
     return {"step alone": step, "alternating": alternate, "read": read, "float": scalar}
 
 
-def ratios(ours: Loop, ref: Loop, block: int, rounds: int) -> dict[str, tuple[float, float]]:
+def ratios(
+    ours: Loop, ref: Loop, block: int, rounds: int, warmup: float
+) -> dict[str, tuple[float, float]]:
     """Per row: (median ratio ours / reference, reference us per iteration)."""
     out: dict[str, tuple[float, float]] = {}
     for row in ours:
         a, b = ours[row], ref[row]
-        for f in (a, b):  # compile and warm
-            for _ in range(20):
-                jax.block_until_ready(f())
+        for f in (a, b):  # compile and warm, for `warmup` seconds at least (what a
+            end = time.perf_counter() + warmup  # loop compiles once in the background too)
+            while time.perf_counter() < end:
+                for _ in range(20):
+                    jax.block_until_ready(f())
         rs, ts = [], []
         for r in range(rounds):
             times = {}
@@ -219,12 +224,14 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--ops", type=int, default=1500, help="size of the ~2 s compile")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds per row and loop")
     args = parser.parse_args()
     block, rounds = (50, 3) if args.quick else (args.block, args.rounds)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; MLP {LAYERS} x {WIDTH}, "
           f"batch {BATCH}, Adam; {rounds} rounds of {block} iterations")  # fmt: skip
     with ps.VariableStore():
-        table = ratios(paramstore_loop(), reference(), block, rounds)
+        warmup = 0.2 if args.quick else args.warmup
+        table = ratios(paramstore_loop(), reference(), block, rounds, warmup)
     print(f"{'row':<40} {'reference us/iter':>18} {'ps.function / jax.jit':>22}")
     names = {
         "step alone": "step alone",
