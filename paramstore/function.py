@@ -49,7 +49,9 @@ read variables (the values from before the call), and one that assigns raises.
 
 Variables may be created during the first trace only; creating one on a later trace
 raises ``ValueError``. A trace that fails creates nothing it cannot keep: variables it
-created stay in their store (with their initial values). A ``ps.function`` called inside
+created stay in their store (with their initial values); those it could not give a value
+(an initial value that depends on the arguments' values, an interrupt) leave their store
+and raise ``ValueError`` naming them on every use (``_function.failed``). A ``ps.function`` called inside
 another, or inside ``ps.pure``/``ps.grad``, is inlined; one that assigns variables (or
 reads them under ``jax.jit``) called inside a plain JAX transformation raises TypeError.
 """

@@ -131,12 +131,13 @@ class Entry:
         """Which entries' cached inputs a call of this one changes, and the reverse."""
         mine = {id(v) for v in self.moved}
         writes = {id(v) for v in self.assigned}
-        for other in list(_LIVE):
-            if writes & {id(v) for v in other.moved}:
-                self.dirties.append(weakref.ref(other))
-            if mine & {id(v) for v in other.assigned}:
-                other.dirties.append(weakref.ref(self))
-        _LIVE.add(self)
+        with ownership.lock:  # no call walks a `dirties` list meanwhile; one link at a time
+            for other in list(_LIVE):
+                if writes & {id(v) for v in other.moved}:
+                    self.dirties.append(weakref.ref(other))
+                if mine & {id(v) for v in other.assigned}:
+                    other.dirties.append(weakref.ref(self))
+            _LIVE.add(self)
 
     def current(self) -> bool:
         """Whether the trainable flags and the assigned variables' shardings are those
