@@ -133,14 +133,19 @@ class Ownership:
         self.refused: CallbackWriteError | None = None  # raised in a callback meanwhile
 
     def acquire(self) -> None:
-        """Take the state lock for a write: raises ``CallbackWriteError`` in a host callback
-        of a running call (which holds it). Call it first thing inside a ``try`` whose
-        ``finally`` releases the lock in one call, ignoring RuntimeError (an interrupt
-        before the lock was taken: nothing to release)."""
-        lock = self.lock
-        got = lock.acquire(False)
-        if not got or self.open:
-            self.contended(lock, got)
+        """Take the state lock (deferred-interrupt paths only; release it in a
+        ``finally``): raises ``CallbackWriteError`` in a host callback of a running call."""
+        if self.open:
+            self.refuse_callback()
+        self.lock.acquire()
+
+    def refuse_callback(self) -> None:
+        """While a call with host callbacks runs (``open``): raise ``CallbackWriteError``
+        in one of its callbacks (on the call's own thread, which holds the lock, or on an
+        XLA runtime thread); another thread goes on and waits for the lock."""
+        if self.open and (self.lock._is_owned() or foreign_thread()):  # type: ignore[attr-defined]
+            self.refused = refused()
+            raise self.refused
 
     # -- reading
     def adopt(self, var: Owned, value: Any, owned: bool) -> None:
@@ -156,25 +161,18 @@ class Ownership:
 
     def hand_out(self, var: Owned) -> Any:
         """The array, given to code outside paramstore: never donated from now on."""
-        lock = self.lock
-        try:  # the acquire inside: an interrupt right after it still releases
-            if not lock.acquire(False):
-                with self.side:  # a call with host callbacks runs: read its pre-call value
-                    if self.open:
-                        value = var._value
-                        var._given = id(value)
-                        self.version += 1
-                        return value  # (not holding the lock: the release is refused)
-                lock.acquire()
+        if self.open and not self.lock._is_owned():  # type: ignore[attr-defined]
+            with self.side:  # a call with host callbacks runs: read its pre-call value
+                if self.open:
+                    value = var._value
+                    var._given = id(value)
+                    self.version += 1
+                    return value
+        with self.lock:
             value = var._value
             var._given = id(value)
             self.version += 1
-            return value
-        finally:
-            try:  # one C call; RuntimeError: not held (nothing to release)
-                lock.release()
-            except RuntimeError:
-                pass
+        return value
 
     def leaf(self, var: Owned) -> Any:
         """A detached variable's value (a pytree leaf of a transformation: a tracer or the
@@ -211,8 +209,9 @@ class Ownership:
         placement). ``owned``: nobody outside this variable holds ``new``'s buffer. A new
         placement moves ``TRACE_EPOCH``: a compiled program that pinned the old one is
         checked before its next call (and traced anew), whatever path wrote."""
-        try:
-            self.acquire()
+        if self.open:
+            self.refuse_callback()
+        with self.lock:
             self.version += 1
             if self.cached:
                 self.release_cached()
@@ -224,11 +223,6 @@ class Ownership:
                 _EXHAUST(map(setattr, (var, var), ("_given", "_value"), (id(new), new)))
             if old is not None and _moved(old, getattr(new, "sharding", None)):
                 TRACE_EPOCH.placed()
-        finally:
-            try:  # one C call (a signal's handler runs only after it returns)
-                self.lock.release()
-            except RuntimeError:
-                pass
 
     def write_many(
         self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
@@ -237,18 +231,14 @@ class Ownership:
         restore), then ``shared`` recorded as given (their arrays are also an output).
         All-or-nothing against interrupts: the values are stored in one C call. A new
         placement moves ``TRACE_EPOCH`` (see ``write``)."""
-        try:
-            self.acquire()
+        if self.open:
+            self.refuse_callback()
+        with self.lock:
             old = [getattr(x, "sharding", None) for x in map(_VALUE, variables)]
             self.store(variables, values, shared)
             if any(o is not None and _moved(o, getattr(x, "sharding", None))
                    for o, x in zip(old, values)):  # fmt: skip
                 TRACE_EPOCH.placed()
-        finally:
-            try:  # one C call (a signal's handler runs only after it returns)
-                self.lock.release()
-            except RuntimeError:
-                pass
 
     def update(
         self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
@@ -261,11 +251,11 @@ class Ownership:
         # call in the finally (a signal's handler runs after each call returns): an
         # acquire that waited and was interrupted holds nothing, and the release then
         # raises RuntimeError without changing the lock (ignored, the interrupt goes on).
+        if self.open:
+            self.refuse_callback()
         lock = self.lock
         try:
-            got = lock.acquire(False)
-            if not got or self.open:
-                self.contended(lock, got)
+            lock.acquire()
             x = var._value
             self.version += 1
             if self.cached:
@@ -286,16 +276,6 @@ class Ownership:
                 lock.release()
             except RuntimeError:
                 pass
-
-    def contended(self, lock: Any, got: bool) -> None:
-        """The slow way into the lock for a write or a call: the lock is busy, or a call
-        with host callbacks holds it
-        (``got``: this thread holds it, so this is one of that call's callbacks; the
-        caller's ``finally`` releases it)."""
-        if got or (self.open and foreign_thread()):
-            self.refused = refused()
-            raise self.refused
-        lock.acquire()
 
     def update_cold(
         self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
@@ -421,19 +401,16 @@ class Ownership:
         buffer out (so the next step still donates it: no device copy). It waits under
         the lock for the step in flight that computes the value (which the caller waits
         for anyway); another thread's write meanwhile waits as long at most."""
-        lock = self.lock
-        try:  # as hand_out
-            if not lock.acquire(False):
-                with self.side:  # a call with host callbacks runs: its pre-call value
-                    if self.open:
-                        return np.array(var._value, copy=True)
-                lock.acquire()
-            return np.array(var._value, copy=True)
-        finally:
-            try:
-                lock.release()
-            except RuntimeError:
-                pass
+        # (no `return f()` inside a `with`: an interrupt right after the call would land
+        # before the block's exit is protected, and leave the lock held)
+        if self.open and not self.lock._is_owned():  # type: ignore[attr-defined]
+            with self.side:  # a call with host callbacks runs: its pre-call value
+                value = var._value if self.open else None
+            if value is not None:
+                return np.array(value, copy=True)  # (not donated before that call writes)
+        with self.lock:
+            value = np.array(var._value, copy=True)
+        return value
 
     @staticmethod
     def on_cpu(var: Owned) -> bool:

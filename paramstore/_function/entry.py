@@ -178,11 +178,10 @@ class Entry:
     def _steady(self, leaves: list[Any]) -> Any:
         """A warm call: gather (or the cached inputs), dispatch, write, under the lock."""
         own = ownership
-        lock = own.lock
-        try:  # the acquire inside: an interrupt right after it still releases (ownership)
-            got = lock.acquire(False)
-            if not got or own.open:
-                own.contended(lock, got)
+        if own.open:  # a call with host callbacks runs: refused in one of its callbacks
+            own.refuse_callback()
+        masked: tuple[bool, ...] = ()
+        with own.lock:
             runner = self.runner
             last = self.last
             if last is not None and self.version == own.version:
@@ -192,22 +191,20 @@ class Entry:
                     raise StaleProgram
                 don, ro, given = own.gather(self.donated, self.readonly)
                 if given is not None and self.donate:
-                    return self._masked_call(don, ro, tuple(given), leaves)
-            # before the donation: no cache outlives the inputs it holds
-            self.last = None
-            for ref in self.dirties:
-                other = ref()
-                if other is not None:
-                    other.last = None
-            new, out = own.dispatch(runner, don, ro, leaves, self.assigned)
-            own.keep(self, (new[: self.n_donated], ro))
-            self.version = own.version
-        finally:
-            try:  # one C call (a signal's handler runs only after it returns)
-                lock.release()
-            except RuntimeError:
-                pass
-        return out
+                    masked = tuple(given)
+            if masked:
+                out = self._masked_call(don, ro, masked, leaves)
+            else:
+                # before the donation: no cache outlives the inputs it holds
+                self.last = None
+                for ref in self.dirties:
+                    other = ref()
+                    if other is not None:
+                        other.last = None
+                new, out = own.dispatch(runner, don, ro, leaves, self.assigned)
+                own.keep(self, (new[: self.n_donated], ro))
+                self.version = own.version
+        return out  # after the block (a `return f()` inside it is not interrupt-safe)
 
     def _masked_call(
         self, don: list[Any], ro: list[Any], given: tuple[bool, ...], leaves: list[Any]
