@@ -42,10 +42,16 @@ signal arriving during a call is handled right after it (see ``_core.ownership``
 Threads. Each call gathers its inputs, dispatches and swaps its outputs under the state
 lock (``_core.context.STATE_LOCK``), so it is atomic with respect to the variables it touches;
 dispatch is asynchronous, so the lock is held for microseconds, not for the computation.
+Tracing and compiling never hold it (a first call compiles outside it, then checks under
+it that nothing the trace depends on changed meanwhile, else traces again). A program with
+host callbacks holds it until it has finished and written (atomic too); its callbacks may
+read variables (the values from before the call), and one that assigns raises.
 
 Variables may be created during the first trace only; creating one on a later trace
 raises ``ValueError``. A trace that fails creates nothing it cannot keep: variables it
-created stay in their store (with their initial values). A ``ps.function`` called inside
+created stay in their store (with their initial values); those it could not give a value
+(an initial value that depends on the arguments' values, an interrupt) leave their store
+and raise ``ValueError`` naming them on every use (``_function.failed``). A ``ps.function`` called inside
 another, or inside ``ps.pure``/``ps.grad``, is inlined; one that assigns variables (or
 reads them under ``jax.jit``) called inside a plain JAX transformation raises TypeError.
 """
@@ -63,8 +69,8 @@ import jax
 from paramstore._core import frames as _trace
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import ARRAY_TYPE
-from paramstore._core.ownership import StaleProgram, ownership
-from paramstore._function.entry import Entry
+from paramstore._core.ownership import ownership
+from paramstore._function.entry import Entry, StaleProgram
 from paramstore._function.static import split, static_args, unhashable_message
 from paramstore._function.trace import Shardings, is_ref, trace_signature
 from paramstore._variable.initial import flag
@@ -271,7 +277,7 @@ class Function(Generic[P, R]):
             return
         for fast_key in [k for k, e in self._fast.items() if e is entry]:
             del self._fast[fast_key]
-        ownership.drop(entry.program)
+        entry.retire()
 
     def _trace_signature(
         self, key: Any, leaves: list[Any], treedef: Any, static: tuple[Any, ...]

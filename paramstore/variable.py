@@ -234,10 +234,31 @@ class Variable(ArrayOps, Owned):
 
     def numpy(self) -> np.ndarray:
         """A NumPy copy of the current value (a key variable's key data)."""
+        if self._host_read():  # no hand-out: the next step still donates the buffer
+            return ownership.host(self)  # type: ignore[no-any-return]
         value = self.value()
         if self._is_key:
             value = jax.random.key_data(value)
         return np.array(value, copy=True)
+
+    def _host_read(self) -> bool:
+        """Whether a host read (``numpy()``, ``float(v)``...) copies the value without
+        handing the buffer out: an eager read of a plain variable (``_core.ownership.host``)."""
+        return (
+            type(self) is Variable
+            and not self._is_key
+            and not _trace.depth
+            and (current_trace() is EVAL)
+        )
+
+    def __float__(self) -> float:
+        return float(self.numpy() if self._host_read() else self.value())
+
+    def __int__(self) -> int:
+        return int(self.numpy() if self._host_read() else self.value())
+
+    def __bool__(self) -> bool:
+        return bool(self.numpy() if self._host_read() else self.value())
 
     def ref(self) -> Reference:
         """A hashable reference to this variable."""

@@ -50,6 +50,13 @@ def test_transformer_benchmark_runs_the_repeat_and_the_unrolled_model():
 
 
 @pytest.mark.slow
+def test_alternating_benchmark_prints_its_rows():
+    out = run("alternating.py", "--quick")
+    assert "train alternating with eval" in out and "train then w.value()" in out
+    assert "another thread's read + assign + compiled call during a" in out
+
+
+@pytest.mark.slow
 def test_depth_benchmark_prints_the_targets():
     root = str(BENCH.parent)
     done = subprocess.run(

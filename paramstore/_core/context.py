@@ -72,26 +72,36 @@ STATE_LOCK = threading.RLock()
 class _TraceEpoch:
     """How many times something a ``ps.function`` trace depends on besides its signature
     has changed, process-wide: a variable's ``trainable`` flag (``v.trainable = ...``,
-    ``module.trainable = ...``), its sharding (``ps.sharding.reshard``), or a variable
+    ``module.trainable = ...``: ``bump``), its placement (any write that moves a variable
+    to a new sharding, ``_core.ownership``'s one write path: ``placed``), or a variable
     *retired* (``retire``: a layer replaced it, as ``ps.nn.quantize`` replaces a float
-    kernel by an int8 one, so a trace that read it is stale). A trace records
-    the epoch and, when it has moved, checks the flags and shardings of the variables it
-    captured: the trace is redone where one it saw changed (freezing between calls takes
-    effect; a step compiled before a reshard does not write its variables back on their old
-    shardings). ``restructure()`` also moves ``structure``: a change to what a layer
-    computes with the same variables (``enable_lora``, ``merge_lora``), after which every
-    trace is redone on its next call."""
+    kernel by an int8 one, so a trace that read it is stale). A trace records the epoch
+    and, when it has moved, checks the flags and shardings of the variables it captured:
+    the trace is redone where one it saw changed (freezing between calls takes effect; a
+    step compiled before a reshard or a restore onto a new sharding does not write its
+    variables back on their old shardings). ``flags`` counts the flag changes alone: a trace
+    during which one changed is redone (it may have seen either value). ``restructure()``
+    also moves ``structure``: a change to what a layer computes with the same variables
+    (``enable_lora``, ``merge_lora``), after which every trace is redone on its next call."""
 
-    __slots__ = ("epoch", "_count", "_retired", "structure")
+    __slots__ = ("epoch", "flags", "_count", "_retired", "structure")
 
     def __init__(self) -> None:
         self._count = itertools.count(1)
         self.epoch = 0
+        self.flags = 0
         self._retired: dict[int, weakref.ref[Any]] = {}
         self.structure = 0
 
     def bump(self) -> None:
+        """A trainable flag changed."""
         # next() on a count is atomic: threads bumping at once each get a new value
+        epoch = next(self._count)
+        self.flags = epoch
+        self.epoch = epoch
+
+    def placed(self) -> None:
+        """A variable moved to a new sharding."""
         self.epoch = next(self._count)
 
     def retire(self, var: Any) -> None:

@@ -18,28 +18,36 @@ Rules:
   array; an array that came out of the variable's own computation (an eager update, a
   compiled step, a private copy) is owned (``_given`` no longer matches it), one that the
   caller passed in (``assign(x)`` of a ``jax.Array``) is recorded as given at once.
-* **Donation is decided here** (``step_inputs``): a given array is copied once
-  (``private_copy``) and the copy is donated; an owned one is donated directly.
-* **Compiled programs are ownership's own objects.** The function machinery registers each
-  compiled program once as a ``Program`` (its runner and the variables it moves), which it
-  only passes to ``call`` and ``drop``; the per-program cache state inside is ownership's.
-* **The steady-path cache.** ``version`` is bumped by every write and every hand-out. A
-  compiled program that finds it unchanged since its own last call (and is still ``cached``)
-  knows that its inputs are exactly its last outputs and that nobody was handed them, so
-  it skips the per-variable gather (602 variables: 41 of 58 us per call, measured
-  2026-11-22). Every write releases the cache, so it never pins buffers that variables no
-  longer hold.
+* **Compiled programs decide, ownership gathers and writes.** The function layer's
+  ``_function.entry.Entry`` (one per traced signature) decides what each call passes and
+  donates and keeps its own steady-path cache (``last``); ownership gathers the arrays
+  (``gather``: and which were handed out, never to be donated), dispatches a warm program
+  and stores its results atomically (``dispatch``), stores a cold call's (``store``), and
+  empties every cache on a write (``release_cached``: no cache pins a buffer a variable
+  no longer holds). ``version`` is bumped by every write and every hand-out, not by
+  compiled calls: an entry whose ``version`` is current knows nobody was handed its inputs.
+* **Host reads hand nothing out.** ``host`` copies a value to NumPy under the lock, so the
+  next step still donates the buffer (``v.numpy()``, ``float(v)``).
 * ``lock`` (the state lock, ``_core.context.STATE_LOCK``) is held by every write, every
   hand-out and each compiled call's gather-dispatch-write, so each is atomic. It is never
-  held while user code is traced or compiled.
+  held while user code is traced or compiled: a program's first call compiles it first
+  (the function layer's ``Entry``, outside the lock, lowering with ``specs``) and checks it
+  is still current under the lock before it runs (else it is traced anew). A call of a program with host callbacks holds
+  it until its results are written (atomic with other threads' writes): meanwhile reads
+  need no lock (``open``: nothing is donated before that call writes) and a write from one
+  of its callbacks raises ``CallbackWriteError`` (it could only be lost, or deadlock).
+* Every write that moves a variable to a new placement moves ``TRACE_EPOCH`` (``write``
+  and ``write_many``, the one write path of assign, restore, reshard, ``ps.update``...), so
+  a program that pinned the old placement is checked, and traced anew, before its next
+  call.
 
 Interrupts and run-time errors (issue 28). A ``KeyboardInterrupt`` or any exception a
 signal handler raises can land wherever the main thread checks for signals (a Python
 function's start, right after any call returns, a backward jump), so every change here
 is ordered to be all-or-nothing (see ``_core.interrupts``):
 
-* caches are invalidated (``version`` bumped) *before* anything is donated, so an
-  interrupted call never leaves a cache that points at donated buffers;
+* caches are emptied *before* anything is donated, so an interrupted call never leaves a
+  cache that points at donated buffers;
 * where a buffer is donated, the dispatch and the keeping of its results are one C call
   (``box.extend(map(runner, ...))``: no bytecode runs between them, so no signal handler
   either); the results are then stored into the variables, and an exception that lands
@@ -51,34 +59,28 @@ is ordered to be all-or-nothing (see ``_core.interrupts``):
   is assumed to stay in jit's C++ cache; after ``jax.clear_caches()`` its next call runs
   jit's Python dispatch undeferred.)
 
-A compiled program's first call is also checked before its results are swapped in: it is
-waited for, and an error raised while it runs (out of memory, a failed host callback)
-leaves every variable as it was. On the CPU backend XLA allocates a program's temporaries
-while it runs, after its donated inputs are consumed, so that first call donates private
-copies. On GPU/TPU XLA allocates a program's buffers when it launches it, and an
-allocation failure is raised by the call before any donation is committed. Later calls
-are not waited for (that would serialise host and device: 2x per step on the
-dispatch-bound benchmark); a program that ran once needs the same memory again.
-
 An id may be reused after its array died: a fresh array that happens to get the id of an
-old hand-out only costs one extra copy (the safe direction); a handed-out array that is
-alive keeps its id, so a live hand-out is never mistaken for an owned buffer.
+old hand-out only costs one extra copy (the safe direction; stores of fresh arrays forget
+the record, ``fresh``); a live hand-out keeps its id, so it is never mistaken for owned.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
-from typing import Any
+from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from paramstore._core.context import STATE_LOCK, TRACE_EPOCH
+from paramstore._core.hostcalls import CallbackWriteError, foreign_thread, refused
 from paramstore._core.interrupts import deferred
 
-__all__ = ["Ownership", "ownership", "Owned", "Program", "StaleProgram"]
+__all__ = ["Ownership", "ownership", "Owned", "Cache", "CallbackWriteError"]
 
 _VALUE = operator.attrgetter("_value")
 _GIVEN = operator.attrgetter("_given")
@@ -102,84 +104,48 @@ class Owned:
 _SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the slot's setter
 
 
-class StaleProgram(Exception):
-    """Raised by ``ownership.call`` (nothing run, nothing written) for a program whose
-    assigned variables are no longer on the shardings it was compiled to write them on
-    (``ps.sharding.reshard`` moved one since): the function machinery traces anew."""
+class Cache(Protocol):
+    """What a compiled program of the function layer keeps of its last call's inputs
+    (``last``: its steady path); ``Ownership.release_cached`` empties it on every write."""
+
+    last: Any
 
 
-class Program:
-    """One compiled program of the function machinery, registered once: ``runner(donated
-    arrays, read-only arrays, leaves)`` returns ``(new values of assigned, outputs)``;
-    ``shared``: variables whose array an output may be after a call; ``donate``: the
-    runner donates its first argument; ``wait``: it has host callbacks (never donates;
-    waited for, lock not held). The function machinery only passes it to
-    ``ownership.call`` and ``ownership.drop``; only ``ownership`` changes its cache state."""
-
-    __slots__ = (
-        "runner", "donated", "readonly", "assigned", "shared", "donate", "wait", "steady",
-        "n_donated", "copy_first", "warm", "fast", "version", "last", "layout", "epoch",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        runner: Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], Any]],
-        donated: Sequence[Owned],
-        readonly: Sequence[Owned],
-        assigned: Sequence[Owned],
-        shared: Sequence[Owned],
-        donate: bool,
-        wait: bool,
-    ) -> None:
-        self.runner = runner
-        self.donated = tuple(donated)  # read and assigned, their old buffers donated
-        self.readonly = tuple(readonly)  # read only
-        self.assigned = tuple(assigned)  # in the order of the runner's new values
-        self.shared = tuple(shared)  # whose array an output may be, after each call
-        self.donate = donate and not wait
-        self.wait = wait  # host callbacks: no donation, waited for, lock not held
-        self.steady = not shared  # no output shares a variable's buffer: steady path
-        self.n_donated = len(self.donated)
-        # The first call donates private copies on CPU (module docstring).
-        self.copy_first = self.donate and any(_on_cpu(v) for v in self.donated)
-        self.warm = False  # the first call succeeded: jit's C++ dispatch has it
-        self.fast = False  # warm, steady and no host callbacks: the steady path
-        self.version = -1
-        self.last: tuple[Any, Any] = ((), ())
-        # The shardings its runner writes the assigned variables back on (jit's
-        # out_shardings pin them): checked again when TRACE_EPOCH moved (a reshard).
-        self.layout = _layout(self.assigned)
-        self.epoch = TRACE_EPOCH.epoch
-
-    def current(self) -> bool:
-        """Whether the assigned variables are still on the shardings the program writes
-        (hold the lock for an answer that stays true until the call)."""
-        if self.epoch == TRACE_EPOCH.epoch:
-            return True
-        if _layout(self.assigned) != self.layout:
-            return False
-        self.epoch = TRACE_EPOCH.epoch
-        return True
-
-
-def _layout(variables: Sequence[Owned]) -> tuple[Any, ...]:
-    return tuple(getattr(_VALUE(v), "sharding", None) for v in variables)
-
-
-def _on_cpu(var: Owned) -> bool:
-    sharding = getattr(var._value, "sharding", None)
-    return sharding is None or any(d.platform == "cpu" for d in sharding.device_set)
+def _moved(old: Any, new: Any) -> bool:
+    """Whether a write from sharding ``old`` to ``new`` changes the placement."""
+    return old is not new and new is not None and old != new
 
 
 class Ownership:
     """The state behind every variable's array (see the module docstring)."""
 
-    __slots__ = ("lock", "version", "cached")
+    __slots__ = ("lock", "version", "cached", "side", "open", "refused")
 
     def __init__(self) -> None:
         self.lock = STATE_LOCK
         self.version = 0
-        self.cached: Program | None = None  # the program whose `last` inputs are live
+        self.cached: set[Cache] = set()  # programs whose `last` inputs are live
+        # A call of a program with host callbacks holds the lock while it runs; meanwhile
+        # (``open``) reads need no lock (nothing is donated until the call writes, which it
+        # does after closing, under ``side``) and writes from its callbacks raise.
+        self.side = threading.Lock()
+        self.open = False
+        self.refused: CallbackWriteError | None = None  # raised in a callback meanwhile
+
+    def acquire(self) -> None:
+        """Take the state lock (deferred-interrupt paths only; release it in a
+        ``finally``): raises ``CallbackWriteError`` in a host callback of a running call."""
+        if self.open:
+            self.refuse_callback()
+        self.lock.acquire()
+
+    def refuse_callback(self) -> None:
+        """While a call with host callbacks runs (``open``): raise ``CallbackWriteError``
+        in one of its callbacks (on the call's own thread, which holds the lock, or on an
+        XLA runtime thread); another thread goes on and waits for the lock."""
+        if self.open and (self.lock._is_owned() or foreign_thread()):  # type: ignore[attr-defined]
+            self.refused = refused()
+            raise self.refused
 
     # -- reading
     def adopt(self, var: Owned, value: Any, owned: bool) -> None:
@@ -195,11 +161,18 @@ class Ownership:
 
     def hand_out(self, var: Owned) -> Any:
         """The array, given to code outside paramstore: never donated from now on."""
+        if self.open and not self.lock._is_owned():  # type: ignore[attr-defined]
+            with self.side:  # a call with host callbacks runs: read its pre-call value
+                if self.open:
+                    value = var._value
+                    var._given = id(value)
+                    self.version += 1
+                    return value
         with self.lock:
             value = var._value
             var._given = id(value)
             self.version += 1
-            return value
+        return value
 
     def leaf(self, var: Owned) -> Any:
         """A detached variable's value (a pytree leaf of a transformation: a tracer or the
@@ -233,29 +206,39 @@ class Ownership:
     # -- writing
     def write(self, var: Owned, new: Any, owned: bool = False) -> None:
         """The one write path of a variable's real array (callers checked dtype, shape and
-        placement). ``owned``: nobody outside this variable holds ``new``'s buffer."""
+        placement). ``owned``: nobody outside this variable holds ``new``'s buffer. A new
+        placement moves ``TRACE_EPOCH``: a compiled program that pinned the old one is
+        checked before its next call (and traced anew), whatever path wrote."""
+        if self.open:
+            self.refuse_callback()
         with self.lock:
             self.version += 1
-            if self.cached is not None:
+            if self.cached:
                 self.release_cached()
+            old = getattr(var._value, "sharding", None)
             if owned:
                 var._value = new  # one store: atomic
+                var._given = 0  # (after it: an interrupt between leaves a stale record)
             else:  # both fields in one C call: an interrupt sees both or neither
                 _EXHAUST(map(setattr, (var, var), ("_given", "_value"), (id(new), new)))
+            if old is not None and _moved(old, getattr(new, "sharding", None)):
+                TRACE_EPOCH.placed()
 
     def write_many(
         self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
     ) -> None:
         """``write`` of owned values for many variables (a compiled step's outputs, a
         restore), then ``shared`` recorded as given (their arrays are also an output).
-        All-or-nothing against interrupts: the values are stored in one C call."""
+        All-or-nothing against interrupts: the values are stored in one C call. A new
+        placement moves ``TRACE_EPOCH`` (see ``write``)."""
+        if self.open:
+            self.refuse_callback()
         with self.lock:
-            self.version += 1
-            self.release_cached()
-            _EXHAUST(map(_SET_VALUE, variables, values))
-            if shared:
-                ids = map(id, map(_VALUE, shared))
-                _EXHAUST(map(setattr, shared, repeat("_given"), ids))
+            old = [getattr(x, "sharding", None) for x in map(_VALUE, variables)]
+            self.store(variables, values, shared)
+            if any(o is not None and _moved(o, getattr(x, "sharding", None))
+                   for o, x in zip(old, values)):  # fmt: skip
+                TRACE_EPOCH.placed()
 
     def update(
         self, var: Owned, fresh: Callable[..., Any], donating: Callable[..., Any], d: Any
@@ -268,12 +251,14 @@ class Ownership:
         # call in the finally (a signal's handler runs after each call returns): an
         # acquire that waited and was interrupted holds nothing, and the release then
         # raises RuntimeError without changing the lock (ignored, the interrupt goes on).
+        if self.open:
+            self.refuse_callback()
         lock = self.lock
         try:
             lock.acquire()
             x = var._value
             self.version += 1
-            if self.cached is not None:
+            if self.cached:
                 self.release_cached()
             if var._given != id(x):  # donated: see the module docstring, "Interrupts"
                 box: list[Any] = []
@@ -312,118 +297,135 @@ class Ownership:
             var._override = _NO_OVERRIDE
             return default if value is _NO_OVERRIDE else value
 
-    # -- compiled programs
+    # -- compiled programs: gathers and writes (the function layer decides and dispatches)
     def release_cached(self) -> None:
-        """Drop the live cache (call under the lock, when variables get new arrays)."""
-        holder = self.cached
-        if holder is not None:
-            self.cached = None
-            holder.last = ((), ())
+        """Empty every program's cached inputs (hold the lock; when variables get new
+        arrays, so no cache pins buffers the variables no longer hold)."""
+        cached = self.cached
+        if cached:
+            for holder in cached:
+                holder.last = None
+            cached.clear()
 
-    def drop(self, program: Program) -> None:
-        """Forget ``program`` (its function dropped it): its cached inputs are released."""
-        with self.lock:
-            if self.cached is program:
-                self.release_cached()
+    def keep(self, holder: Cache, last: Any) -> None:
+        """``holder`` caches ``last`` (its inputs for its next call), until a write."""
+        self.cached.add(holder)
+        holder.last = last
 
-    def step_inputs(self, p: Program) -> tuple[list[Any], list[Any]]:
-        """The donated and read-only inputs of ``p`` (hold the lock): a given donated
-        array is replaced by a private copy."""
-        if self.version == p.version and self.cached is p:
-            return p.last
-        self.release_cached()
-        donated = p.donated
+    def gather(
+        self, donated: Sequence[Owned], readonly: Sequence[Owned]
+    ) -> tuple[list[Any], list[Any], list[bool] | None]:
+        """The arrays of a program's donated and read-only inputs (hold the lock), and
+        which donated ones were handed out (None: none was), so never to be donated."""
         don = list(map(_VALUE, donated))
-        if p.donate:  # C-level maps: 602 variables in ~20 us
-            given = list(map(operator.eq, map(_GIVEN, donated), map(id, don)))
-            if any(given):
-                don = [private_copy(x) if g else x for x, g in zip(don, given)]
-        return don, list(map(_VALUE, p.readonly))
+        given = list(map(operator.eq, map(_GIVEN, donated), map(id, don)))
+        return don, list(map(_VALUE, readonly)), given if any(given) else None
 
-    def call(self, p: Program, leaves: list[Any]) -> Any:
-        """Run ``p`` on ``leaves`` atomically: gather, dispatch, write; its outputs."""
-        if not p.fast:
-            return self._call_cold(p, leaves)
-        with self.lock:
-            if self.version == p.version and self.cached is p:
-                don, ro = p.last  # the steady path, inlined: ~0.1 us a call
-            else:  # (a reshard writes, so it ends the steady path: checked here)
-                if p.epoch != TRACE_EPOCH.epoch and not p.current():
-                    raise StaleProgram
-                don, ro = self.step_inputs(p)
-            self.version += 1  # before the donation: no cache outlives the inputs
-            # Dispatch (jit's C++ path: warm) and keep the results in one C call, then
-            # store them; an interrupt meanwhile stores them all before it propagates.
-            box: list[Any] = []
-            try:
-                box.extend(map(p.runner, (don,), (ro,), (leaves,)))
-                new, out = box[0]
-                for var, value in zip(p.assigned, new):
-                    var._value = value
-            except BaseException:
-                if box:
-                    _EXHAUST(map(_SET_VALUE, p.assigned, box[0][0]))
-                raise
-            self.cached = p
-            p.last = (new[: p.n_donated], ro)
-            p.version = self.version
+    def values(self, variables: Sequence[Owned]) -> list[Any]:
+        """The arrays, passed to a program that donates none (hold the lock)."""
+        return list(map(_VALUE, variables))
+
+    @staticmethod
+    def specs(variables: Sequence[Owned]) -> list[Any]:
+        """What to lower a program with to compile it ahead of its first call: each
+        array's shape, dtype, weak type, and sharding only where committed (so jit finds
+        the executable when the call passes the arrays, or ``private_copy``s of them)."""
+        out = []
+        for x in map(_VALUE, variables):
+            if isinstance(x, jax.Array) and hasattr(x, "weak_type"):  # (a key array: as it is)
+                sh = x.sharding if x.committed else None
+                x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh, weak_type=x.weak_type)
+            out.append(x)
         return out
 
-    def _call_cold(self, p: Program, leaves: list[Any]) -> Any:
-        """``call`` of a program's first call, of one whose outputs may share a variable's
-        buffer, or of one with host callbacks: interrupts deferred; the first call (and
-        every call with host callbacks) waited for before anything is written."""
-        with deferred():
-            if p.wait:
-                return self._call_and_wait(p, leaves)
-            with self.lock:
-                if not p.current():
-                    raise StaleProgram
-                first = not p.warm
-                if first and p.copy_first:
-                    self.release_cached()
-                    don = [private_copy(x) for x in map(_VALUE, p.donated)]
-                    ro = list(map(_VALUE, p.readonly))
-                else:
-                    don, ro = self.step_inputs(p)
-                self.version += 1
-                self.release_cached()
-                new, out = p.runner(don, ro, leaves)
-                if first:  # an error while it runs: raised here, nothing written
-                    jax.block_until_ready((new, out))  # type: ignore[no-untyped-call]
-                self.write_many(p.assigned, new, p.shared)
-                if p.steady:
-                    self.cached = p
-                    p.last = (new[: p.n_donated], ro)
-                    p.version = self.version
-                p.warm = True
-                p.fast = p.steady
-        return out
+    def dispatch(
+        self, runner: Callable[..., Any], don: Any, ro: Any, leaves: Any, assigned: Sequence[Owned]
+    ) -> tuple[list[Any], Any]:
+        """Run a warm program (jit's C++ dispatch: no Python after its donation) and store
+        its new values in ``assigned`` (hold the lock; the caller emptied every cache its
+        inputs were in). Dispatch and keeping the results are one C call; an interrupt
+        after it stores them all before it propagates."""
+        box: list[Any] = []
+        try:
+            box.extend(map(runner, (don,), (ro,), (leaves,)))
+            new, out = box[0]
+            for var, value in zip(assigned, new):
+                var._value = value
+        except BaseException:
+            if box:
+                _EXHAUST(map(_SET_VALUE, assigned, box[0][0]))
+            raise
+        return new, out
 
-    def _call_and_wait(self, p: Program, leaves: list[Any]) -> Any:
-        """Run ``p`` (a program that can raise on the host: no donation) and write its
-        results only after it finished; the lock is not held while it runs (a host
-        callback may read a variable), so the inputs are recorded as given first."""
+    def store(
+        self, variables: Sequence[Owned], values: Sequence[Any], shared: Sequence[Owned] = ()
+    ) -> None:
+        """``write_many`` of a compiled program's results (their placement is pinned: no
+        check), then ``shared`` recorded as handed out; hold the lock."""
+        self.version += 1
+        self.release_cached()
+        _EXHAUST(map(_SET_VALUE, variables, values))
+        self.fresh(variables)
+        if shared:
+            ids = map(id, map(_VALUE, shared))
+            _EXHAUST(map(setattr, shared, repeat("_given"), ids))
+
+    @staticmethod
+    def fresh(variables: Sequence[Owned]) -> None:
+        """Forget the hand-outs recorded for ``variables``, whose arrays were just replaced
+        by fresh ones (after the store: an interrupt between leaves a stale record, which
+        costs a copy at most). Else a new array that reuses a dead hand-out's id would
+        look handed out."""
+        _EXHAUST(map(setattr, variables, repeat("_given"), repeat(0)))
+
+    def run_open(self, runner: Callable[..., Any], don: Any, ro: Any, leaves: Any) -> Any:
+        """Run a program with host callbacks and wait for it, holding the lock (held by
+        the caller): meanwhile its callbacks may read variables (``open``: their values
+        from before the call) and a write from one raises ``CallbackWriteError``, which
+        is raised here as it is (JAX wraps it in its own error)."""
+        with self.side:
+            self.open, self.refused = True, None
+        try:
+            return jax.block_until_ready(runner(don, ro, leaves))  # type: ignore[no-untyped-call]
+        except Exception as e:
+            refused, self.refused = self.refused, None
+            if refused is not None:
+                raise refused from e
+            raise
+        finally:
+            with self.side:
+                self.open = False
+
+    def host(self, var: Owned) -> Any:
+        """A host (NumPy) copy of the value, taken under the lock without handing the
+        buffer out (so the next step still donates it: no device copy). It waits under
+        the lock for the step in flight that computes the value (which the caller waits
+        for anyway); another thread's write meanwhile waits as long at most."""
+        # (no `return f()` inside a `with`: an interrupt right after the call would land
+        # before the block's exit is protected, and leave the lock held)
+        if self.open and not self.lock._is_owned():  # type: ignore[attr-defined]
+            with self.side:  # a call with host callbacks runs: its pre-call value
+                value = var._value if self.open else None
+            if value is not None:
+                return np.array(value, copy=True)  # (not donated before that call writes)
         with self.lock:
-            if not p.current():
-                raise StaleProgram
-            don = [self.hand_out(v) for v in p.donated]
-            ro = [self.hand_out(v) for v in p.readonly]
-        new, out = jax.block_until_ready(p.runner(don, ro, leaves))  # type: ignore[no-untyped-call]
-        with self.lock:
-            if new or p.shared:
-                self.write_many(p.assigned, new, p.shared)
-            else:
-                self.version += 1
-            p.warm = True
-        return out
+            value = np.array(var._value, copy=True)
+        return value
+
+    @staticmethod
+    def on_cpu(var: Owned) -> bool:
+        """Whether the variable's array is (also) on a CPU device."""
+        sharding = getattr(var._value, "sharding", None)
+        return sharding is None or any(d.platform == "cpu" for d in sharding.device_set)
 
     @staticmethod
     def private_copy(x: Any) -> Any:
-        """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding (so a step
-        fed with it sees the same input signature and does not compile again)."""
-        return jax.device_put(x, x.sharding, may_alias=False)
+        """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding and
+        commitment (so a step fed with it sees the same input signature and does not
+        compile again)."""
+        return jax.device_put(x, x.sharding if x.committed else None, may_alias=False)
 
 
 private_copy = Ownership.private_copy
+on_cpu = Ownership.on_cpu
 ownership = Ownership()

@@ -18,14 +18,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+from jax import ShapeDtypeStruct
 
 from paramstore import sharding as _sharding
 from paramstore._core import frames as _trace
+from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import Tracer, init_program
 from paramstore._core.loops import pure
 from paramstore._core.ownership import ownership
 from paramstore._core.placement import in_host_memory
 from paramstore._function.entry import Entry
+from paramstore._function.failed import discard
 from paramstore._function.shardings import Shardings, leaf_shardings
 from paramstore._function.static import merge
 from paramstore.module import Module
@@ -77,6 +80,7 @@ def trace_signature(
     over ``(args, kwargs)`` less the ``static`` ones) and build its entry. ``first``: the
     function's first trace, the only one that may create variables."""
     owner = f"ps.function '{name}'"
+    flags = TRACE_EPOCH.flags  # a trainable flag that changes during the trace: redone
     frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=first)
     ref_pos = [i for i, x in enumerate(leaves) if is_ref(x)]
     refs = {i: leaves[i] for i in ref_pos}
@@ -110,15 +114,18 @@ def trace_signature(
     # (_trace), so no step in another thread donates what this trace holds.
     try:
         closed = jax.make_jaxpr(flat)(*arrays)
-    except jax.errors.ConcretizationTypeError as e:  # float(v), if x > 0, if training
-        _explained(e, owner)
+        if frame.created:
+            _initialize(closed, frame.created, result.get("error"), arrays)
+    except BaseException as e:
+        # Variables the trace created and could not give a value: unusable, in no store
+        discard([v for v, _ in frame.created if isinstance(ownership.peek(v), ShapeDtypeStruct)])
+        _explained(e, owner)  # float(v), if x > 0, if training: what to do
         raise
-    if frame.created:
-        _initialize(closed, frame.created, result.get("error"), arrays)
     if "error" in result:
         raise _explained(result["error"], owner)
     _sharding.settle_unplaced(result["assigned"], arrays, [v for v, _ in frame.captured.values()])
-    return _lift(
+    epoch = TRACE_EPOCH.epoch  # a placement that moves from here on: checked at the call
+    entry = _lift(
         name,
         closed,
         frame,
@@ -131,6 +138,11 @@ def trace_signature(
         in_shardings,
         out_shardings,
     )
+    if TRACE_EPOCH.flags != flags:
+        entry.flags = None  # it may have seen either value: stale, traced anew
+        epoch = -1
+    entry.epoch = entry.checked = epoch
+    return entry
 
 
 def _lift(
@@ -173,7 +185,7 @@ def _lift(
     kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
     shared = _shared(moved, assigned, new_vars, kept)
     donating = donate and bool(donated) and not wait
-    runner = _runner(
+    runner, layout, twin = _runner(
         jex.core.jaxpr_as_fun(program),
         n_out,
         order,
@@ -196,6 +208,8 @@ def _lift(
         donating,
         wait,
         shared,
+        layout,
+        twin,
     )
 
 
@@ -286,9 +300,11 @@ def _runner(
     donating: bool,
     arg_sh: list[Any] | None,
     out_sh: list[Any] | None,
-) -> Callable[..., Any]:
+) -> tuple[Callable[..., Any], tuple[Any, ...], Callable[[tuple[bool, ...]], Masked]]:
     """The ``jax.jit`` of ``fun`` (the lifted program) called as ``runner(donated,
-    readonly, arrays) -> (new values in the order of assigned, outputs)``."""
+    readonly, arrays) -> (new values in the order of assigned, outputs)``, the shardings
+    of the assigned variables it was built for (which it pins), and the maker of its
+    masked twins (``_masked``)."""
 
     def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
         res = fun(*don, *ro, *arrays)
@@ -302,19 +318,63 @@ def _runner(
     # next call sees the same input shardings (no recompilation) and placement is kept.
     # (A variable in host memory, e.g. an optimizer slot with slot_memory_kind=, keeps
     # its memory kind the same way, even on one device.)
+    layout = tuple(getattr(ownership.peek(v), "sharding", None) for v in assigned)
     keep = [
         sh if len(sh.device_set) > 1 or in_host_memory(sh) else None
         for sh in (ownership.peek(v).sharding for v in assigned)
     ]
     has_keep = any(sh is not None for sh in keep)
-    return jax.jit(
+    in_sh = (None, None, arg_sh) if arg_sh is not None else None
+    out_shs = (keep if has_keep else None, out_sh) if has_keep or out_sh is not None else None
+
+    runner = jax.jit(
         run,
         donate_argnums=(0,) if donating else (),
-        in_shardings=(None, None, arg_sh) if arg_sh is not None else None,
-        out_shardings=(keep if has_keep else None, out_sh)
-        if has_keep or out_sh is not None
-        else None,
+        in_shardings=in_sh,
+        out_shardings=out_shs,
     )
+
+    def masked(given: tuple[bool, ...]) -> Masked:
+        return _masked(run, given, len(assigned), keep if has_keep else None, out_sh, arg_sh)
+
+    return runner, layout, masked
+
+
+Masked = tuple[Callable[..., Any], list[int]]
+
+
+def _masked(
+    run: Callable[..., Any],
+    given: tuple[bool, ...],
+    n_assigned: int,
+    keep: list[Any] | None,
+    out_sh: list[Any] | None,
+    arg_sh: list[Any] | None,
+) -> Masked:
+    """A twin of the runner that donates the donated inputs except those ``given`` (handed
+    out: passed, not donated, not copied), called as ``twin(kept, (given arrays,
+    read-only), arrays)``, and the order of the assigned variables its new values come in:
+    the kept ones first, so jit pairs each donated buffer with its own variable's new
+    value (it pairs by shape and dtype, in order)."""
+    kept_i = [i for i, g in enumerate(given) if not g]
+    given_i = [i for i, g in enumerate(given) if g]
+    perm = kept_i + given_i + list(range(len(given), n_assigned))
+
+    def twin(kept: list[Any], rest: tuple[list[Any], list[Any]], arrays: list[Any]) -> Any:
+        held, ro = rest
+        don: list[Any] = [None] * len(given)
+        for i, x in zip(kept_i, kept):
+            don[i] = x
+        for i, x in zip(given_i, held):
+            don[i] = x
+        new, out = run(don, ro, arrays)
+        return [new[i] for i in perm], out
+
+    in_sh = (None, None, arg_sh) if arg_sh is not None else None
+    new_sh = [keep[i] for i in perm] if keep is not None else None
+    out_shs = (new_sh, out_sh) if new_sh is not None or out_sh is not None else None
+    jitted = jax.jit(twin, donate_argnums=(0,), in_shardings=in_sh, out_shardings=out_shs)
+    return jitted, perm
 
 
 def _has_host_callback(jaxpr: Any) -> bool:
@@ -353,9 +413,7 @@ def _initialize(
     init, used_in = init_program(jaxpr, used_out)
     n_consts = len(jaxpr.constvars)
     if any(used_in[n_consts:]) and _arguments_refused(jaxpr, created, n_consts, arrays):
-        for var, _ in created:
-            var._store._forget(var)  # the store it was created in, not the default now
-            ownership.take_initial(var, None)
+        # no value for any of them: made unusable by the caller
         raise ValueError(
             f"The initial value of variable(s) {names}, created inside a ps.function, "
             "depends on the values of the function's arguments. An initial value may depend "

@@ -52,7 +52,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from paramstore._collect import variables_of
 from paramstore._core import frames as _trace
-from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.interrupts import deferred
 from paramstore._core.layout import Layout, LayoutMap, Partition, axis_rules
 from paramstore._core.ownership import ownership
@@ -151,8 +150,9 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
     # while it is copied: the copy is private) and all are written at once.
     with ownership.lock:
         moved = [ownership.copy(v, sh) for v, sh in targets]
+        # a new placement moves TRACE_EPOCH (the one write path): the programs that pinned
+        # the old shardings are traced anew
         ownership.write_many([v for v, _ in targets], moved)
-        TRACE_EPOCH.bump()  # the programs that pinned the old shardings: traced anew
 
 
 def plan(variables: list[Variable], sharding: ShardingTargets) -> list[tuple[Variable, Sharding]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,64 @@ def test_a_warm_step_interrupted_anywhere(donate: bool) -> None:
 
     seen = sweep(prepare, lambda: [w, b])
     assert seen["before"] and seen["after"]
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["copying", "masked-twin"])
+def test_a_step_after_a_read_interrupted_anywhere(twin: bool) -> None:
+    """A step whose donated inputs include a handed-out buffer (issue 33): the handed-out
+    one copied (before its masked twin is ready) or passed to the twin undonated."""
+    w, b = _state((4,), (4,))
+    start = [np.ones(4, np.float32), np.zeros(4, np.float32)]
+
+    @ps.function
+    def step(x: jax.Array) -> None:
+        w.assign_add(x)
+        b.assign_sub(x)
+
+    x = jnp.ones(4)
+    held: list[jax.Array] = []
+    if twin:
+        for _ in range(3):  # a read that recurs: its twin is compiled in the background
+            held.append(w.value())
+            step(x)
+        (entry,) = step._cache.values()
+        deadline = time.monotonic() + 60
+        while not any(entry.twins.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any(entry.twins.values())
+
+    def prepare():
+        _reset([w, b], start)
+        step(x)
+        held[:] = [w.value()]  # handed out: never donated
+        return lambda: step(x)
+
+    seen = sweep(prepare, lambda: [w, b])
+    assert seen["before"] and seen["after"]
+    np.testing.assert_array_equal(held[0], start[0] + 1)  # the handed-out array is intact
+
+
+def test_a_step_with_a_host_callback_holding_the_lock_interrupted_anywhere() -> None:
+    w, b = _state((4,), (4,))
+    start = [np.ones(4, np.float32), np.zeros(4, np.float32)]
+    seen_in_callback: list[float] = []
+
+    @ps.function
+    def step(x: jax.Array) -> None:
+        jax.debug.callback(lambda s: seen_in_callback.append(float(s)), w.value().sum())
+        w.assign_add(x)
+        b.assign_sub(x)
+
+    x = jnp.ones(4)
+
+    def prepare():
+        _reset([w, b], start)
+        step(x)
+        return lambda: step(x)
+
+    seen = sweep(prepare, lambda: [w, b])
+    assert seen["before"] and seen["after"]
+    w.assign(np.zeros(4, np.float32))  # no lock left held, nothing left open
 
 
 def test_a_first_call_interrupted_anywhere() -> None:
