@@ -98,7 +98,7 @@ class Plan:
     """What ``ps.plan`` found: ``devices`` (``{device: PlanRow}``), ``host`` (a
     ``PlanRow``), ``peak`` (the largest device peak), ``fits(limit=None)`` and a table."""
 
-    def __init__(self, devices: dict[Any, PlanRow], host: PlanRow, stats: Any) -> None:
+    def __init__(self, devices: dict[Any, PlanRow], host: PlanRow, stats: object) -> None:
         self.devices = devices
         self.host = host
         self.memory_analysis = stats  #: XLA's ``CompiledMemoryStats`` of the program

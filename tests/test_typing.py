@@ -20,6 +20,10 @@ import paramstore
 
 # "qualified.name(parameter)" or "qualified.name -> return": why Any is right there.
 ALLOWED: dict[str, str] = {
+    "paramstore.plan.plan(args)": (
+        "forwarded as is to the user's step function (arrays, ShapeDtypeStructs, any pytree)"
+    ),
+    "paramstore.plan.plan(kwargs)": "forwarded as is to the user's step function",
     "paramstore.optimizer.Optimizer.apply_gradients(extra_args)": (
         "forwarded as is to the user's optax transformation (tx.update(..., **extra_args))"
     ),

@@ -354,7 +354,7 @@ class QuantLayer(LoRALayer):
         """``kernel_scale`` (``embeddings_scale``)."""
         return f"{self.lora_target}_scale"
 
-    def check_quantize(self, mode: Any) -> str:
+    def check_quantize(self, mode: object) -> str:
         """The mode, or ``ValueError`` naming the layer if it cannot be quantized now."""
         me = self.describe()
         mode = check_mode(mode, me)
