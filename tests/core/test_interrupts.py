@@ -16,8 +16,8 @@ import pytest
 from _interrupting import run_interrupted, sweep
 
 import paramstore as ps
-from paramstore._function import entry as _entry
 from paramstore._core.interrupts import deferred
+from paramstore._function import entry as _entry
 
 
 @pytest.fixture(autouse=True)
