@@ -14,6 +14,8 @@ from _examples import load_example
 
 import paramstore as ps
 
+pytestmark = pytest.mark.torch  # transformers and torch are the oracles (pyproject)
+
 
 @pytest.fixture(scope="module")
 def ex():

@@ -54,6 +54,7 @@ def test_rms_normalization_matches_keras(keras, policy):
     np.testing.assert_allclose(f32(ps.function(ours)(x)), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.torch  # transformers' Llama, in torch, is the oracle
 def test_rms_normalization_matches_llama_rmsnorm():
     x = rand(2, 5, 6)
     theirs = llama.LlamaRMSNorm(6, eps=1e-5)
@@ -110,6 +111,7 @@ def _hf_rope(x_bhsd, positions, theta, scaling=1.0):
     return q.numpy()
 
 
+@pytest.mark.torch  # transformers' Llama, in torch, is the oracle
 @pytest.mark.parametrize("start", [0, 7])
 def test_rotary_matches_transformers(start):
     x = rand(2, 5, 3, 8)  # (batch, seq, heads, dim): sequence_axis=1, feature_axis=-1
@@ -120,6 +122,7 @@ def test_rotary_matches_transformers(start):
     assert rope.variables == ()
 
 
+@pytest.mark.torch  # transformers' Llama, in torch, is the oracle
 def test_rotary_positions_scaling_and_axes():
     x = rand(1, 4, 6)
     positions = np.array([3, 1, 4, 1])
