@@ -64,6 +64,21 @@ class AttentionProjections(Layer):
         first = [kernels[n] for n in names if n in kernels]
         return first + [v for v in super().weights if all(v is not f for f in first)]
 
+    def feature_dims(
+        self, query_shape: Shape, value_shape: Shape | None, key_shape: Shape | None
+    ) -> tuple[int, int, int]:
+        """The feature (last) axes of query, key and value (``value_shape`` defaults to
+        ``query_shape``, ``key_shape`` to ``value_shape``), or ValueError naming the layer."""
+        value_shape = query_shape if value_shape is None else value_shape
+        key_shape = value_shape if key_shape is None else key_shape
+        dq, dk, dv = (s[-1] if s else None for s in (query_shape, key_shape, value_shape))
+        if dq is None or dk is None or dv is None:
+            raise ValueError(
+                f"{self.describe()} cannot be built without the feature (last) axes of query, "
+                f"key and value; got shapes {query_shape}, {key_shape}, {value_shape}."
+            )
+        return dq, dk, dv
+
     def _project(
         self, name: str, equation: str, shape: tuple[int, ...], bias: tuple[int, ...]
     ) -> None:
@@ -184,14 +199,7 @@ class MultiHeadAttention(AttentionProjections):
     ) -> None:
         """Create the variables for ``query``/``value``/``key`` shapes (as Keras' ``build``;
         ``value_shape`` defaults to ``query_shape``, ``key_shape`` to ``value_shape``)."""
-        value_shape = query_shape if value_shape is None else value_shape
-        key_shape = value_shape if key_shape is None else key_shape
-        dq, dk, dv = (s[-1] if s else None for s in (query_shape, key_shape, value_shape))
-        if dq is None or dk is None or dv is None:
-            raise ValueError(
-                f"{self.describe()} cannot be built without the feature (last) axes of query, "
-                f"key and value; got shapes {query_shape}, {key_shape}, {value_shape}."
-            )
+        dq, dk, dv = self.feature_dims(query_shape, value_shape, key_shape)
         h, kd, vd = self.num_heads, self.key_dim, self.value_dim
         self._project("query", "bsd,dhk->bshk", (dq, h, kd), (h, kd))
         self._project("key", "bsd,dhk->bshk", (dk, h, kd), (h, kd))

@@ -124,14 +124,7 @@ class GroupQueryAttention(AttentionProjections):
     ) -> None:
         """Create the projections for ``query``/``value``/``key`` shapes (``value_shape``
         defaults to ``query_shape``, ``key_shape`` to ``value_shape``)."""
-        value_shape = query_shape if value_shape is None else value_shape
-        key_shape = value_shape if key_shape is None else key_shape
-        dq, dk, dv = (s[-1] if s else None for s in (query_shape, key_shape, value_shape))
-        if dq is None or dk is None or dv is None:
-            raise ValueError(
-                f"{self.describe()} cannot be built without the feature (last) axes of query, "
-                f"key and value; got shapes {query_shape}, {key_shape}, {value_shape}."
-            )
+        dq, dk, dv = self.feature_dims(query_shape, value_shape, key_shape)
         hq, hkv, hd = self.num_query_heads, self.num_key_value_heads, self.head_dim
         self._project("query", "bqm,muh->bquh", (dq, hq, hd), (hq, hd))
         self._project("key", "bkm,mvh->bkvh", (dk, hkv, hd), (hkv, hd))
