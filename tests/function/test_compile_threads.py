@@ -5,6 +5,7 @@ Every test is bounded in time (``tests/_bounded.py``): a deadlock fails it."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -68,8 +69,11 @@ def test_a_compile_blocks_no_other_threads_reads_writes_or_calls():
     worker.join(60)
     assert took and latencies, "the compiling thread did not finish"
     # Old code: the state lock was held through the compile, so one of these waited for
-    # the whole compile (seconds).
-    assert max(latencies) < min(0.5, took[0] / 3), (max(latencies), took[0])
+    # the whole compile (seconds). The bound on the slowest is relative to the compile (a
+    # loaded machine starves this thread for a second at times: 1.1 s seen during a 4.5 s
+    # compile with two suites on two cores); the typical one must be quick.
+    assert max(latencies) < took[0] / 2, (max(latencies), took[0])
+    assert statistics.median(latencies) < 0.1, (statistics.median(latencies), took[0])
     assert len(latencies) >= 3, f"the compile ({took[0]:.2f} s) was too quick to test"
     assert float(w.numpy()) != 0.0  # the big step ran and wrote
 
