@@ -26,7 +26,7 @@ Contract (docs/api.md, "LoRA"; the per-layer part is ``paramstore.nn._lora``):
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 from paramstore import initializers as _init
 from paramstore._core import frames as _trace
@@ -52,10 +52,13 @@ from paramstore.variable import Variable
 
 __all__ = ["enable_lora", "merge_lora"]
 
+L = TypeVar("L", bound=Module)
+
 Found = list[tuple[LoRALayer, Repeat | None]]
 
 
-def _describe(module: Any) -> str:
+def describe(module: Any) -> str:
+    """``Kind 'full/name'`` of a Module (its type's name otherwise), for messages."""
     if isinstance(module, Module):
         return f"{type(module).__name__} '{module.scope_name}'"
     return type(module).__name__
@@ -67,15 +70,21 @@ def _modules(root: Any) -> list[Module]:
     return [root, *root.submodules]
 
 
-def _lora_layers(module: Any) -> Found:
-    """Every LoRA-capable layer in ``module`` (with the Repeat whose template holds it)."""
-    found: Found = []
+def layers_of(module: Any, kind: type[L]) -> list[tuple[L, Repeat | None]]:
+    """Every ``kind`` layer in ``module``, with the Repeat whose template holds it (None for
+    a layer of its own): what ``enable_lora``/``merge_lora`` and ``ps.nn.quantize`` walk."""
+    found: list[tuple[L, Repeat | None]] = []
     for m in _modules(module):
-        if isinstance(m, LoRALayer):
+        if isinstance(m, kind):
             found.append((m, None))
         elif isinstance(m, Repeat):
-            found.extend((t, m) for t in _modules(m._template.block) if isinstance(t, LoRALayer))
+            found.extend((t, m) for t in _modules(m._template.block) if isinstance(t, kind))
     return found
+
+
+def _lora_layers(module: Any) -> Found:
+    """Every LoRA-capable layer in ``module`` (with the Repeat whose template holds it)."""
+    return layers_of(module, LoRALayer)
 
 
 def enable_lora(
@@ -94,7 +103,7 @@ def enable_lora(
     found = _lora_layers(module)
     if not found:
         raise TypeError(
-            f"{me}: {_describe(module)} has no layer with LoRA: only ps.nn.Dense, "
+            f"{me}: {describe(module)} has no layer with LoRA: only ps.nn.Dense, "
             "ps.nn.Embedding and the projections of the attention layers (also inside a "
             "Repeat's blocks) support it."
         )
@@ -102,13 +111,13 @@ def enable_lora(
     chosen = [(ly, r) for ly, r in found if pattern is None or pattern.search(ly.scope_name)]
     if not chosen:
         raise ValueError(
-            f"{me}: no Dense, Embedding or attention projection of {_describe(module)} matches "
+            f"{me}: no Dense, Embedding or attention projection of {describe(module)} matches "
             f"where={where!r}; their full names are {[ly.scope_name for ly, _ in found]}."
         )
     for layer, rep in chosen:
         if rep is not None and not rep.built:
             raise ValueError(
-                f"{me}: {layer.describe()} is in {_describe(rep)}, which is not built yet: "
+                f"{me}: {layer.describe()} is in {describe(rep)}, which is not built yet: "
                 "call the model (or build it) before enable_lora."
             )
         layer.check_lora_enable()
@@ -174,7 +183,7 @@ def merge_lora(module: Module) -> list[LoRALayer]:
     chosen = [(ly, r) for ly, r in _lora_layers(module) if ly.lora_enabled]
     if not chosen:
         raise ValueError(
-            f"ps.nn.merge_lora: no layer of {_describe(module)} has LoRA enabled; nothing to "
+            f"ps.nn.merge_lora: no layer of {describe(module)} has LoRA enabled; nothing to "
             "merge (enable it with ps.nn.enable_lora or layer.enable_lora)."
         )
     for layer, _ in chosen:

@@ -34,6 +34,7 @@ from paramstore.nn._quant import (
     dequantize_variable,
     quantize_variable,
 )
+from paramstore.nn.lora import describe, layers_of
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.repeat.layout import attribute_paths
 
@@ -43,25 +44,9 @@ Quantizable = QuantLayer
 Found = list[tuple[Quantizable, Repeat | None]]
 
 
-def _describe(module: Any) -> str:
-    if isinstance(module, Module):
-        return f"{type(module).__name__} '{module.scope_name}'"
-    return type(module).__name__
-
-
-def _modules(root: Any) -> list[Module]:
-    return [root, *root.submodules] if isinstance(root, Module) else []
-
-
 def quantizable_layers(module: Any) -> Found:
     """Every ``Dense``/``Embedding`` in ``module`` (with the Repeat whose template holds it)."""
-    found: Found = []
-    for m in _modules(module):
-        if isinstance(m, QuantLayer):
-            found.append((m, None))
-        elif isinstance(m, Repeat):
-            found.extend((t, m) for t in _modules(m._template.block) if isinstance(t, QuantLayer))
-    return found
+    return layers_of(module, QuantLayer)
 
 
 def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
@@ -72,7 +57,7 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
         )
     if not found:
         raise ValueError(
-            f"{me}: {_describe(module)} has no {what}: ps.nn.Dense and ps.nn.Embedding (also "
+            f"{me}: {describe(module)} has no {what}: ps.nn.Dense and ps.nn.Embedding (also "
             "inside a Repeat's blocks) can be quantized."
         )
     pattern = re.compile(where) if where is not None else None
@@ -80,7 +65,7 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
     chosen = [(ly, r) for ly, r in unique if pattern is None or pattern.search(ly.scope_name)]
     if not chosen:
         raise ValueError(
-            f"{me}: no {what} of {_describe(module)} matches where={where!r}; their full "
+            f"{me}: no {what} of {describe(module)} matches where={where!r}; their full "
             f"names are {[ly.scope_name for ly, _ in found]}."
         )
     return chosen
@@ -96,7 +81,7 @@ def quantize(module: Module, mode: str, *, where: str | None = None) -> list[Qua
     for layer, rep in chosen:
         if rep is not None and not rep.built:
             raise ValueError(
-                f"{me}: {layer.describe()} is in {_describe(rep)}, which is not built yet: "
+                f"{me}: {layer.describe()} is in {describe(rep)}, which is not built yet: "
                 "call the model (or build it) before quantize."
             )
         layer.check_quantize(mode)
