@@ -66,7 +66,6 @@ __all__ = [
     "in_while_body",
     "in_while_cond",
     "init_program",
-    "pure_jaxpr",
     "put_on_device",
     "ref_in",
     "refuse_as_array",
@@ -296,15 +295,6 @@ def discharge(closed: Any, should_discharge: bool | Sequence[bool]) -> Any:
     if _STRIP:
         return _discharge_state(closed, should_discharge=should_discharge, strip_memory_space=False)
     return _discharge_state(closed, should_discharge=should_discharge)
-
-
-def pure_jaxpr(closed: Any, rewrite: Callable[[Any], Any] = lambda c: c) -> Any:
-    """``closed`` with its refs discharged (a pure jaxpr with the same outputs), so that
-    dead-code elimination sees true data dependence rather than keeping every effect;
-    ``rewrite`` (``_core.loops.fix_while``) runs first. The debug info is kept."""
-    pure = discharge(rewrite(closed), False)
-    info = closed.jaxpr.debug_info
-    return ClosedJaxpr(pure.jaxpr.replace(debug_info=info), pure.consts)
 
 
 def retrace(fun: Callable[..., list[Any]], in_avals: list[Any], debug_info: Any) -> Any:

@@ -8,7 +8,7 @@ and assigned in its body is exactly that program.
 
 paramstore never replaces a JAX rule (other threads running plain JAX see JAX's own rules,
 always). Instead ``fix_while`` rewrites paramstore's own jaxprs before it discharges them
-(``jax_api.pure_jaxpr``): each such loop becomes a loop whose carry holds the values of
+(``pure``): each such loop becomes a loop whose carry holds the values of
 the refs its condition reads (read before the loop and again after each body run), and
 whose condition reads those carried values instead of the refs. The body is unchanged, so
 JAX's own rule discharges the new loop correctly. Loops nested in other bodies (``scan``,
@@ -36,7 +36,6 @@ from paramstore._core.jax_api import (
     discharge,
     eval_eqn,
     jaxprs_in_params,
-    pure_jaxpr,
     retrace,
     while_p,
 )
@@ -45,9 +44,13 @@ __all__ = ["fix_while", "jax_has_bug", "needs_fix", "pure"]
 
 
 def pure(closed: Any) -> Any:
-    """``closed`` with its loops fixed (``fix_while``) and its refs discharged: the pure
-    program paramstore compiles or cuts down (``jax_api.pure_jaxpr``)."""
-    return pure_jaxpr(closed, fix_while)
+    """``closed`` with its loops fixed (``fix_while``) and its refs discharged (a pure jaxpr
+    with the same outputs, so that dead-code elimination sees true data dependence rather
+    than keeping every effect): the program paramstore compiles or cuts down. The debug info
+    (argument names) is kept."""
+    pure = discharge(fix_while(closed), False)
+    info = closed.jaxpr.debug_info
+    return ClosedJaxpr(pure.jaxpr.replace(debug_info=info), pure.consts)
 
 
 def _cond_refs(eqn: Any) -> list[int]:
