@@ -445,7 +445,7 @@ def test_one_write_path_and_one_hand_out_path_for_a_variables_array():
     assert not reads, f"read variables through ownership.hand_out / peek: {reads}"
 
 
-OWNED_FIELDS = ("_value", "_given", "_override")  # _core.ownership.Owned's slots
+OWNED_FIELDS = ("_value", "_given", "_override", "_donors")  # _core.ownership.Owned's slots
 # What a caller of ``ownership.peek`` may read from its result: metadata, never the data.
 METADATA = {"sharding", "shape", "dtype", "ndim", "size", "committed", "aval", "weak_type"}
 

@@ -24,8 +24,10 @@ Rules:
   (``gather``: and which were handed out, never to be donated), dispatches a warm program
   and stores its results atomically (``dispatch``), stores a cold call's (``store``), and
   empties every cache on a write (``release_cached``: no cache pins a buffer a variable
-  no longer holds). ``version`` is bumped by every write and every hand-out, not by
-  compiled calls: an entry whose ``version`` is current knows nobody was handed its inputs.
+  no longer holds). A hand-out tells only the programs that donate that variable
+  (``watch``: each variable's ``_donors``), whose caches stay: each marks that one input
+  as not to be donated on its next call (``Cache.handed``). So reading one weight between
+  steps costs no gather of every input, only the read.
 * **Host reads hand nothing out.** ``host`` copies a value to NumPy under the lock, so the
   next step still donates the buffer (``v.numpy()``, ``float(v)``).
 * ``lock`` (the state lock, ``_core.context.STATE_LOCK``) is held by every write, every
@@ -68,6 +70,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
@@ -95,10 +98,11 @@ class Owned:
     ``paramstore.Variable``): the array, the id of the array last handed out, and a value
     ``set_initial_value`` gave while a trace still computes the initial value."""
 
-    __slots__ = ("_value", "_given", "_override")
+    __slots__ = ("_value", "_given", "_override", "_donors")
     _value: Any
     _given: int
     _override: Any
+    _donors: list[weakref.ref[Cache]] | None  # programs that donate it (``watch``)
 
 
 _SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the slot's setter
@@ -106,9 +110,13 @@ _SET_VALUE: Callable[[Any, Any], None] = Owned.__dict__["_value"].__set__  # the
 
 class Cache(Protocol):
     """What a compiled program of the function layer keeps of its last call's inputs
-    (``last``: its steady path); ``Ownership.release_cached`` empties it on every write."""
+    (``last``: its steady path); ``Ownership.release_cached`` empties it on every write,
+    and a hand-out of a variable it donates calls its ``handed`` (under the lock)."""
 
     last: Any
+
+    def handed(self, var: Owned) -> None:
+        """``var``'s array was handed out: not to be donated by the next call."""
 
 
 def _moved(old: Any, new: Any) -> bool:
@@ -119,11 +127,10 @@ def _moved(old: Any, new: Any) -> bool:
 class Ownership:
     """The state behind every variable's array (see the module docstring)."""
 
-    __slots__ = ("lock", "version", "cached", "side", "open", "refused")
+    __slots__ = ("lock", "cached", "side", "open", "refused")
 
     def __init__(self) -> None:
         self.lock = STATE_LOCK
-        self.version = 0
         self.cached: set[Cache] = set()  # programs whose `last` inputs are live
         # A call of a program with host callbacks holds the lock while it runs; meanwhile
         # (``open``) reads need no lock (nothing is donated until the call writes, which it
@@ -151,6 +158,7 @@ class Ownership:
     def adopt(self, var: Owned, value: Any, owned: bool) -> None:
         """Give a new variable its first array (``owned``: nobody else holds it)."""
         var._override = _NO_OVERRIDE
+        var._donors = None
         var._given = 0 if owned else id(value)
         var._value = value
 
@@ -160,19 +168,42 @@ class Ownership:
         return var._value
 
     def hand_out(self, var: Owned) -> Any:
-        """The array, given to code outside paramstore: never donated from now on."""
+        """The array, given to code outside paramstore: never donated from now on (the
+        programs that donate ``var`` are told: ``watch``)."""
         if self.open and not self.lock._is_owned():  # type: ignore[attr-defined]
             with self.side:  # a call with host callbacks runs: read its pre-call value
-                if self.open:
+                if self.open:  # (it emptied every cache: no program to tell)
                     value = var._value
                     var._given = id(value)
-                    self.version += 1
                     return value
         with self.lock:
             value = var._value
             var._given = id(value)
-            self.version += 1
+            donors = var._donors
+            if donors:  # each live program that donates it marks it handed out
+                for ref in donors:
+                    holder = ref()
+                    if holder is not None:
+                        holder.handed(var)
         return value
+
+    def watch(self, holder: Cache, variables: Iterable[Owned]) -> None:
+        """``holder`` donates ``variables``: a hand-out of one of them calls its
+        ``handed`` (until ``unwatch``; a dead holder is forgotten)."""
+        with self.lock:
+            ref = weakref.ref(holder)
+            for var in variables:
+                donors = var._donors
+                alive = [r for r in donors or () if r() is not None]
+                var._donors = [*alive, ref]
+
+    def unwatch(self, holder: Cache, variables: Iterable[Owned]) -> None:
+        """Forget ``holder`` as a donor of ``variables``."""
+        with self.lock:
+            for var in variables:
+                donors = var._donors
+                if donors:
+                    var._donors = [r for r in donors if r() not in (None, holder)] or None
 
     def leaf(self, var: Owned) -> Any:
         """A detached variable's value (a pytree leaf of a transformation: a tracer or the
@@ -212,7 +243,6 @@ class Ownership:
         if self.open:
             self.refuse_callback()
         with self.lock:
-            self.version += 1
             if self.cached:
                 self.release_cached()
             old = getattr(var._value, "sharding", None)
@@ -257,7 +287,6 @@ class Ownership:
         try:
             lock.acquire()
             x = var._value
-            self.version += 1
             if self.cached:
                 self.release_cached()
             if var._given != id(x):  # donated: see the module docstring, "Interrupts"
@@ -362,7 +391,6 @@ class Ownership:
     ) -> None:
         """``write_many`` of a compiled program's results (their placement is pinned: no
         check), then ``shared`` recorded as handed out; hold the lock."""
-        self.version += 1
         self.release_cached()
         _EXHAUST(map(_SET_VALUE, variables, values))
         self.fresh(variables)

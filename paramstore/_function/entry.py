@@ -20,28 +20,33 @@ dispatch-bound benchmark); a program that ran once needs the same memory again.
 is performance-critical (~5 us per call in all): no call layers are added to its steady
 path.
 
-The steady path, per program. ``ownership.version`` moves on every write and hand-out
-outside compiled calls; a compiled call does not move it, but empties the cache of each
-other entry whose inputs it assigns (``dirties``, worked out once when an entry is made).
-So an entry whose ``version`` is current and whose ``last`` is set knows that its inputs
-are its last outputs (or the arrays it last read) and that nobody was handed them: it skips
-the gather. A training step alternating with an evaluation step keeps the training step on
-it (the evaluation reads the parameters again, a list of arrays, and donates nothing).
+The steady path, per program. Every write outside compiled calls empties every cache
+(``ownership.release_cached``); a compiled call empties the cache of each other entry whose
+inputs it assigns (``dirties``, worked out once when an entry is made). So an entry whose
+``last`` is set knows that its inputs are its last outputs (or the arrays it last read): it
+skips the gather. A training step alternating with an evaluation step keeps the training
+step on it (the evaluation reads the parameters again, a list of arrays, and donates
+nothing).
 
 A read between steps. ``v.value()`` hands out the buffer, which must then never be donated.
-Rather than copying it before each later call, the entry runs a masked twin of its program
-that donates every input but the handed-out ones (passed as they are; XLA writes their new
-values to fresh buffers): no copy and no memory beyond the handed-out arrays, the others
-still updated in place. A twin is compiled in a background thread (never under the lock,
-no call waits for it) from the second call that meets the same pattern of hand-outs (a read
-that recurs, such as a logged weight); until it is ready, and past ``MAX_TWINS`` patterns,
-the handed-out arrays are copied (``private_copy``) as before. ``v.numpy()`` and ``float(v)``
-hand nothing out at all (``ownership.host``).
+The hand-out tells each entry that donates ``v`` (``ownership.watch``), which marks that
+input (``mask``) and keeps its cache: the next call needs no gather. Rather than copying
+the buffer, that call runs a masked twin of the program that donates every input but the
+handed-out ones (passed as they are; XLA writes their new values to fresh buffers): no copy
+and no memory beyond the handed-out arrays, the others still updated in place. A twin is
+compiled in a background thread (never under the lock, no call waits for it) from the
+second call that meets the same pattern of hand-outs (a read that recurs, such as a logged
+weight); until it is ready, and past ``MAX_TWINS`` patterns, the handed-out arrays are
+copied (``private_copy``) as before. ``v.numpy()`` and ``float(v)`` hand nothing out at all
+(``ownership.host``). (Train then ``w.value()`` of the dispatch-bound MLP of
+``benchmarks/alternating.py``: 1.32x of hand-written ``jax.jit`` with a gather after each
+read, see ``benchmarks/README.md`` for the figure with the mask.)
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -52,14 +57,49 @@ import jax
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.interrupts import deferred
 from paramstore._core.jax_api import EVAL, current_trace, staging
-from paramstore._core.ownership import on_cpu, ownership, private_copy
+from paramstore._core.ownership import Owned, on_cpu, ownership, private_copy
 from paramstore.variable import Variable
 
-__all__ = ["Entry", "StaleProgram", "MAX_TWINS"]
+__all__ = ["Entry", "StaleProgram", "Twin", "MAX_TWINS"]
 
 _CLOCK = itertools.count()  # ticks for least-recently-used eviction of traces
 _LIVE: weakref.WeakSet[Entry] = weakref.WeakSet()  # every entry, for ``dirties``
 MAX_TWINS = 4  # masked twins per entry (patterns of handed-out inputs); beyond: copies
+
+
+def _picker(idx: list[int]) -> Callable[[Any], list[Any]]:
+    """A function that takes the items at ``idx`` of a sequence, as a list (in C where it
+    can: ``operator.itemgetter``)."""
+    if not idx:
+        return lambda seq: []
+    if len(idx) == 1:
+        (i,) = idx
+        return lambda seq: [seq[i]]
+    get = operator.itemgetter(*idx)
+    return lambda seq: list(get(seq))
+
+
+class Twin:
+    """A masked twin of an entry's program (see the module docstring) and how to call it:
+    which inputs it donates (``kept``) and passes (``held``), the assigned variables in the
+    order of its new values, and where each donated variable's new value is among them."""
+
+    __slots__ = ("runner", "assigned", "split", "donated_new")
+
+    def __init__(
+        self,
+        runner: Callable[..., Any],
+        perm: list[int],
+        given: tuple[bool, ...],
+        assigned: list[Variable],
+    ) -> None:
+        self.runner = runner
+        self.assigned = [assigned[i] for i in perm]
+        kept = _picker([i for i, g in enumerate(given) if not g])
+        held = _picker([i for i, g in enumerate(given) if g])
+        self.split: Callable[[list[Any]], tuple[list[Any], list[Any]]]
+        self.split = lambda don: (kept(don), held(don))  # (donated, passed)
+        self.donated_new = _picker([perm.index(i) for i in range(len(given))])
 
 
 class StaleProgram(Exception):
@@ -101,13 +141,15 @@ class Entry:
         self._masked = masked
         # compiled twins that donate all but the handed-out inputs, by which were handed out
         # (None: none is made for that pattern, more than MAX_TWINS: those arrays are copied)
-        self.twins: dict[tuple[bool, ...], tuple[Callable[..., Any], list[Variable]] | None]
-        self.twins = {}
+        self.twins: dict[tuple[bool, ...], Twin | None] = {}
         self.seen: dict[tuple[bool, ...], int] = {}  # calls with each pattern, before a twin
         self.warm = False  # the first call succeeded: jit's C++ dispatch has it
         self.fast = False  # warm and steady: the steady path
-        self.version = -1
         self.last: Any = None  # (donated, read-only) inputs of the next call, or None
+        # which of `last`'s donated inputs were handed out since (None: none was)
+        self.mask: tuple[bool, ...] | None = None
+        self.index = {id(v): i for i, v in enumerate(donated)} if self.donate else {}
+        self.singles: dict[int, tuple[bool, ...]] = {}  # the mask of each input alone
         self.touches = bool(donated or readonly or assigned)
         self.out_tree = out_tree
         self.one_out = out_tree is not None and out_tree.num_nodes == out_tree.num_leaves == 1
@@ -139,6 +181,27 @@ class Entry:
                 if mine & {id(v) for v in other.assigned}:
                     other.dirties.append(weakref.ref(self))
             _LIVE.add(self)
+        if self.index:
+            ownership.watch(self, self.donated)
+
+    def handed(self, var: Owned) -> None:
+        """``var`` (one of the donated inputs) was handed out: the next call passes its
+        array undonated (``ownership`` calls this under the lock)."""
+        i = self.index.get(id(var))
+        if i is None or self.last is None:
+            return  # no cache: the next call gathers, and sees the hand-out itself
+        mask = self.mask
+        if mask is None:  # (the usual case: one read between two calls)
+            single = self.singles.get(i)
+            if single is None:
+                single = self.singles[i] = (
+                    *([False] * i),
+                    True,
+                    *[False] * (self.n_donated - i - 1),
+                )
+            self.mask = single
+        elif not mask[i]:
+            self.mask = (*mask[:i], True, *mask[i + 1 :])
 
     def current(self) -> bool:
         """Whether the trainable flags and the assigned variables' shardings are those
@@ -166,6 +229,8 @@ class Entry:
         with ownership.lock:
             self.last = None
         _LIVE.discard(self)
+        if self.index:
+            ownership.unwatch(self, self.donated)
 
     def __call__(self, leaves: list[Any]) -> Any:
         self.tick = next(_CLOCK)  # ~40 ns
@@ -185,16 +250,18 @@ class Entry:
         own = ownership
         if own.open:  # a call with host callbacks runs: refused in one of its callbacks
             own.refuse_callback()
-        masked: tuple[bool, ...] = ()
+        masked: tuple[bool, ...] | None = None
         with own.lock:
             runner = self.runner
             last = self.last
-            if last is not None and self.version == own.version:
+            if last is not None:
                 don, ro = last  # the steady path: ~0.1 us a call
+                masked = self.mask  # (what was handed out since)
             else:
                 if self.checked != TRACE_EPOCH.epoch and not self.current():
                     raise StaleProgram
                 don, ro, given = own.gather(self.donated, self.readonly)
+                self.mask = None  # (what a hand-out marked on a cache since emptied)
                 if given is not None and self.donate:
                     masked = tuple(given)
             if masked:
@@ -208,7 +275,6 @@ class Entry:
                         other.last = None
                 new, out = own.dispatch(runner, don, ro, leaves, self.assigned)
                 own.keep(self, (new[: self.n_donated], ro))
-                self.version = own.version
         return out  # after the block (a `return f()` inside it is not interrupt-safe)
 
     def _masked_call(
@@ -220,7 +286,11 @@ class Entry:
         ``_compile_twin``) and past ``MAX_TWINS`` patterns, the handed-out arrays are
         copied and the call runs the program itself."""
         twin = self.twins.get(given)
-        args: tuple[Any, Any]
+        self.last = self.mask = None
+        for ref in self.dirties:
+            other = ref()
+            if other is not None:
+                other.last = None
         if twin is None:
             if given not in self.twins and self._masked is not None:
                 seen = self.seen.get(given, 0) + 1
@@ -232,19 +302,17 @@ class Entry:
                             target=self._compile_twin, args=(given, leaves)
                         ).start()  # not a daemon: the interpreter's exit waits for it
             don = [private_copy(x) if g else x for x, g in zip(don, given)]
-            runner, assigned, args = self.runner, self.assigned, (don, ro)
+            new, out = ownership.dispatch(self.runner, don, ro, leaves, self.assigned)
+            ownership.fresh([v for v, g in zip(self.donated, given) if g])
+            ownership.keep(self, (new[: self.n_donated], ro))
         else:
-            runner, assigned = twin
-            kept = [x for x, g in zip(don, given) if not g]
-            args = (kept, ([x for x, g in zip(don, given) if g], ro))
-        self.last = None
-        for ref in self.dirties:
-            other = ref()
-            if other is not None:
-                other.last = None
-        _, out = ownership.dispatch(runner, args[0], args[1], leaves, assigned)
-        ownership.fresh([v for v, g in zip(self.donated, given) if g])
-        return out  # no cache kept: the next call gathers (its inputs are all owned now)
+            kept, held = twin.split(don)
+            new, out = ownership.dispatch(twin.runner, kept, (held, ro), leaves, twin.assigned)
+            # (no ``fresh``: the hand-out record of each held variable names its held
+            # array, alive while read; a cache never consults it, and a gather that
+            # meets a reused id passes that input undonated: the safe direction)
+            ownership.keep(self, (twin.donated_new(new), ro))
+        return out  # its new values are all owned: the next call donates them all
 
     def _compile(self, runner: Any, leaves: list[Any], given: tuple[bool, ...] = ()) -> None:
         """Compile ``runner`` for these inputs outside the lock (see ``ownership.specs``);
@@ -267,7 +335,7 @@ class Entry:
             return
         runner, perm = self._masked(given)
         self._compile(runner, leaves, given)
-        self.twins[given] = (runner, [self.assigned[i] for i in perm])
+        self.twins[given] = Twin(runner, perm, given, self.assigned)
 
     def _cold(self, leaves: list[Any]) -> Any:
         """A first call (compiled first, outside the lock), a call of a program whose
@@ -302,8 +370,8 @@ class Entry:
                     jax.block_until_ready((new, out))  # type: ignore[no-untyped-call]
                 own.store(self.assigned, new, self.shared)
                 if self.steady:
+                    self.mask = None
                     own.keep(self, (new[: self.n_donated], ro))
-                    self.version = own.version
                 self.warm = True
                 self.fast = self.steady
             finally:

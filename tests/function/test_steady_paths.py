@@ -122,3 +122,86 @@ def test_float_and_numpy_between_steps_hand_nothing_out(device_puts):
         np.testing.assert_array_equal(seen[1], np.full(16, i - 1.0))
         np.testing.assert_array_equal(w.numpy(), seen[2] * 0.5 + 32.0)
         assert int(count.numpy()) == i
+
+
+def _gathers(monkeypatch) -> list[object]:
+    calls: list[object] = []
+    real = Ownership.gather
+    monkeypatch.setattr(Ownership, "gather", lambda self, *a: calls.append(a) or real(self, *a))
+    return calls
+
+
+def test_a_read_between_steps_keeps_the_steady_path_and_the_read_array(monkeypatch):
+    w, b, count, train, _ = _model()
+    x = jnp.ones((2, 16))
+    train(x)
+    entry = _entry(train)
+    for _ in range(2):  # the twin for "w handed out", compiled in the background
+        w.value()
+        train(x)
+    deadline = time.monotonic() + 60
+    while not any(entry.twins.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    train(x)
+    gathers = _gathers(monkeypatch)
+    held = []
+    for _ in range(4):
+        held.append(w.value())
+        train(x)
+    # The hand-out marks only w on the entry's cache (old code: every hand-out emptied
+    # every cache, and each of these calls gathered all its inputs again).
+    assert gathers == []
+    assert entry.mask is None and entry.last is not None
+    # Each handed-out array is alive and holds the value it had when read.
+    for older, newer in zip(held, held[1:]):
+        np.testing.assert_array_equal(np.asarray(newer), np.asarray(older) * 0.5 + 32.0)
+    np.testing.assert_array_equal(w.numpy(), np.asarray(held[-1]) * 0.5 + 32.0)
+    assert int(count.numpy()) == 8
+
+
+def test_a_read_of_a_variable_the_step_only_reads_leaves_its_cache_alone(monkeypatch):
+    w = ps.Variable(jnp.ones(4), name="w")
+    scale = ps.Variable(2.0, name="scale")
+    step = ps.function(lambda: w.assign(w * scale))
+    step()
+    step()
+    entry = _entry(step)
+    gathers = _gathers(monkeypatch)
+    for _ in range(3):
+        s = scale.value()  # read-only in the step: never donated, nothing to mark
+        step()
+    assert gathers == [] and entry.mask is None
+    assert float(s) == 2.0
+    np.testing.assert_array_equal(w.numpy(), np.full(4, 32.0))
+
+
+def test_a_read_then_a_write_drops_the_mark_with_the_cache(monkeypatch):
+    w, b, count, train, _ = _model()
+    x = jnp.ones((2, 16))
+    train(x)
+    train(x)
+    entry = _entry(train)
+    held = w.value()
+    assert entry.mask is not None and entry.mask[entry.index[id(w)]]
+    b.assign(jnp.full(16, 7.0))  # a write empties every cache, the mark with it
+    assert entry.last is None
+    gathers = _gathers(monkeypatch)
+    before = np.asarray(held).copy()
+    train(x)
+    assert len(gathers) == 1  # gathered once, and saw the hand-out itself
+    np.testing.assert_array_equal(np.asarray(held), before)  # not donated
+    np.testing.assert_array_equal(b.numpy(), np.full(16, 8.0))
+    assert entry.mask is None and entry.last is not None
+
+
+def test_an_entry_that_is_dropped_is_no_longer_told_of_hand_outs():
+    w, b, count, train, _ = _model()
+    x = jnp.ones((2, 16))
+    train(x)
+    entry = _entry(train)
+    assert any(r() is entry for r in w._donors)  # (a test may look at the field)
+    train.clear_cache()
+    assert not any(r() is entry for r in w._donors or ())
+    w.value()  # nothing to tell
+    train(x)
+    assert int(count.numpy()) == 2

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 import paramstore as ps
 from paramstore import variable as variable_module
+from paramstore._core import ownership as ownership_module
 from paramstore._core.ownership import Owned
 from paramstore._variable import abstract as abstract_module
 from paramstore._variable.ops import ArrayOps
@@ -58,19 +59,20 @@ def test_the_bases_hold_no_public_api_of_a_variable():
     assert [n for n in vars(ArrayOps) if not n.startswith("_")] == ["value"]
     assert _defined_by("value") is ps.Variable
     assert [n for n in vars(Owned) if not n.startswith("_")] == []
-    assert set(Owned.__slots__) == {"_value", "_given", "_override"}
+    assert set(Owned.__slots__) == {"_value", "_given", "_override", "_donors"}
 
 
 def test_every_slot_is_declared_once_with_its_annotation():
     slots = [s for s in ps.Variable.__slots__ if s != "__weakref__"]
     assert len(slots) == len(set(slots))
-    hints = typing.get_type_hints(ps.Variable, vars(variable_module))
+    # (each class's annotations in its own module's names: Owned's are ownership's)
+    hints = typing.get_type_hints(ps.Variable, {**vars(ownership_module), **vars(variable_module)})
     own = ps.Variable.__annotations__
     assert list(own) == slots  # one annotation per slot, in the slots' order
     assert set(slots) <= set(hints)
-    # no other class of the MRO declares a field of the variable (Owned: ownership's three)
+    # no other class of the MRO declares a field of the variable (Owned: ownership's four)
     declared = [n for cls in ps.Variable.__mro__[1:] for n in getattr(cls, "__slots__", ())]
-    assert sorted(declared) == ["_given", "_override", "_value"]
+    assert sorted(declared) == ["_donors", "_given", "_override", "_value"]
 
 
 def test_the_other_kinds_live_next_to_the_class_and_add_no_field():
