@@ -68,6 +68,7 @@ the record, ``fresh``); a live hand-out keeps its id, so it is never mistaken fo
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import weakref
@@ -204,6 +205,16 @@ class Ownership:
                 donors = var._donors
                 if donors:
                     var._donors = [r for r in donors if r() not in (None, holder)] or None
+
+    def consistent(self) -> contextlib.AbstractContextManager[Any]:
+        """A block whose reads of several variables (each with ``hand_out``) see one state,
+        no write landing between them (a checkpoint's snapshot): the state lock; in a host
+        callback of a running call on an XLA runtime thread, nothing (the calling thread
+        holds the lock, and no variable changes until the callback has returned; waiting
+        for the lock there would wait forever)."""
+        if self.open and foreign_thread():
+            return contextlib.nullcontext()
+        return self.lock
 
     def leaf(self, var: Owned) -> Any:
         """A detached variable's value (a pytree leaf of a transformation: a tracer or the

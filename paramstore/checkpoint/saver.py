@@ -145,7 +145,7 @@ class Saver:
         """``{checkpoint_name: jax.Array or NumPy string array}``, for a sharded save."""
         outside_traces("save")
         mapping = self._mapping()
-        with STATE_LOCK:  # one consistent snapshot: no step lands between two variables
+        with ownership.consistent():  # one snapshot: no step lands between two variables
             return {name: _current(name, v, sharded=True) for name, v in mapping.items()}
 
     def _snapshot(self, copy: bool) -> dict[str, np.ndarray]:
@@ -153,7 +153,7 @@ class Saver:
         an array may still share the device buffer (CPU); ``copy=True`` makes it independent."""
         outside_traces("save")
         mapping = self._mapping()
-        with STATE_LOCK:  # one consistent snapshot: no step lands between two variables
+        with ownership.consistent():  # one snapshot: no step lands between two variables
             values = {name: _current(name, v) for name, v in mapping.items()}
         if jax.default_backend() != "cpu":  # start every transfer before waiting on any
             for x in values.values():

@@ -5,6 +5,7 @@ Every test is bounded in time (``tests/_bounded.py``): a deadlock fails it."""
 
 from __future__ import annotations
 
+import _thread
 import statistics
 import threading
 import time
@@ -245,3 +246,46 @@ def test_an_interrupt_in_a_first_trace_leaves_no_placeholder_behind(_fresh_store
     assert _fresh_store.variables() == []
     with pytest.raises(ValueError, match=r"Variable 'v'"):
         made[0].value()
+
+
+@pytest.mark.parametrize("where", ["calling thread", "runtime thread"])
+def test_a_save_from_a_host_callback_writes_the_values_from_before_the_call(tmp_path, where):
+    """XLA:CPU runs a host callback on the calling thread (which holds the state lock);
+    XLA:GPU on a runtime thread, which Python knows only as a dummy thread: simulated here
+    with a thread started by ``_thread`` (also a dummy to ``threading``). Old code took
+    the state lock for the snapshot there and waited forever."""
+    v = ps.Variable(1.0, name="v")
+    u = ps.Variable(jnp.arange(3.0), name="u")
+    saver = ps.Saver([v, u])
+    saved: list[object] = []
+
+    def save(path: str) -> None:
+        try:
+            saved.append(saver.save(path))
+        except BaseException as e:  # noqa: BLE001
+            saved.append(e)
+
+    def callback(x):
+        path = str(tmp_path / f"ck{len(saved)}")
+        if where == "calling thread":
+            save(path)
+            return
+        done = threading.Event()
+        _thread.start_new_thread(lambda: (save(path), done.set()), ())
+        assert done.wait(5), "the save from the runtime thread is still blocked"
+
+    @ps.function
+    def step():
+        jax.debug.callback(callback, v.value())
+        v.assign(v + 1.0)
+        u.assign(u * 2.0)
+
+    assert in_thread(step) is None
+    assert in_thread(step) is None
+    assert [type(s) for s in saved] == [str, str], saved
+    for i, (value, array) in enumerate([(1.0, np.arange(3.0)), (2.0, np.arange(3.0) * 2)]):
+        got_v, got_u = ps.Variable(0.0, name=f"gv{i}"), ps.Variable(jnp.zeros(3), name=f"gu{i}")
+        ps.Saver({"v": got_v, "u": got_u}).restore(saved[i])
+        assert float(got_v.numpy()) == value
+        np.testing.assert_array_equal(got_u.numpy(), array)
+    assert float(v.numpy()) == 3.0
