@@ -16,7 +16,10 @@ compiles in the background for a read that recurs). Rows:
 * train alternating with eval: a train step, then an eval step (loss on another batch);
 * train then a read: a train step, then one parameter read (``w.value()``: the hand-written
   loop keeps its parameter array the same way);
-* train then float(v): a train step, then ``float`` of a scalar variable (the step counter).
+* train then float(v): a train step, then ``float`` of a scalar variable (the step counter);
+* train then a progress bar: a train step that also updates a ``ps.metrics.Mean`` of the
+  loss, then ``float(mean.result())`` (the hand-written loop carries the total and count in
+  its step and prints ``float(total / count)``).
 
 Then: the latency of another thread's ``v.value()`` + ``v.assign(...)`` + a call of an already
 compiled ``ps.function``, while one thread compiles a ~2 s program (median and max).
@@ -81,6 +84,13 @@ def reference() -> Loop:
         return optax.apply_updates(params, updates), opt_state, loss
 
     train_jit = jax.jit(train, donate_argnums=(0, 1))
+
+    def train_mean(params, opt_state, total, count, x, y):
+        params, opt_state, loss = train(params, opt_state, x, y)
+        return params, opt_state, total + loss, count + 1.0
+
+    train_mean_jit = jax.jit(train_mean, donate_argnums=(0, 1, 2, 3))
+    mean = [jnp.zeros(()), jnp.zeros(())]
     eval_jit = jax.jit(lambda p, x, y: jnp.mean((mlp(p, x) - y) ** 2))
     kept: list[object] = []
 
@@ -101,7 +111,19 @@ def reference() -> Loop:
         step()
         return float(state[1][0].count)
 
-    return {"step alone": step, "alternating": alternate, "read": read, "float": scalar}
+    def progress() -> object:
+        state[0], state[1], mean[0], mean[1] = train_mean_jit(
+            state[0], state[1], mean[0], mean[1], x, y
+        )
+        return float(mean[0] / mean[1])
+
+    return {
+        "step alone": step,
+        "alternating": alternate,
+        "read": read,
+        "float": scalar,
+        "progress": progress,
+    }
 
 
 class MLP(ps.Module):
@@ -132,6 +154,12 @@ def paramstore_loop() -> Loop:
 
     w = model.layers[0][0]
     counter = opt.iterations
+    mean = ps.metrics.Mean()
+
+    @ps.function
+    def train_mean(x, y):
+        mean.update_state(train(x, y))
+
     kept: list[object] = []
 
     def step() -> object:
@@ -150,7 +178,17 @@ def paramstore_loop() -> Loop:
         train(x, y)
         return float(counter)
 
-    return {"step alone": step, "alternating": alternate, "read": read, "float": scalar}
+    def progress() -> object:
+        train_mean(x, y)
+        return float(mean.result())
+
+    return {
+        "step alone": step,
+        "alternating": alternate,
+        "read": read,
+        "float": scalar,
+        "progress": progress,
+    }
 
 
 def ratios(
@@ -238,6 +276,7 @@ def main() -> None:
         "alternating": "train alternating with eval",
         "read": "train then w.value()",
         "float": "train then float(step counter)",
+        "progress": "train + Mean, then float(result())",
     }
     for row, (ratio, ref_us) in table.items():
         print(f"{names[row]:<40} {ref_us:>18.1f} {ratio:>21.2f}x")
