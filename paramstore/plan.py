@@ -307,7 +307,7 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
             except Exception as e:
                 created = [v for v in _classify(roots)[0] if id(v) not in known]
                 if not created or attempt == 2:
-                    if "inside ps.abstract()" in str(e):
+                    if isinstance(e, (_abstract.AbstractUseError, _abstract.AbstractTraceError)):
                         e.add_note(
                             "ps.plan traces the step inside ps.abstract(), where a variable "
                             "made from another variable's value (an EMA shadow) cannot be "

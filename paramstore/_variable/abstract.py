@@ -46,6 +46,8 @@ if TYPE_CHECKING:  # the class sits above this module: a name for annotations on
     from paramstore.variable import Variable
 
 __all__ = [
+    "AbstractUseError",
+    "AbstractTraceError",
     "abstract",
     "creating",
     "error",
@@ -80,8 +82,17 @@ def creating() -> bool:
     return ctx.abstract > 0
 
 
-def error(name: str, what: str = "used") -> ValueError:
-    return ValueError(
+class AbstractUseError(ValueError):
+    """An abstract variable's value was needed (read, copied, saved) before it had one."""
+
+
+class AbstractTraceError(TypeError):
+    """A variable created inside ``ps.abstract()`` has an initial value that cannot be traced
+    for its shape (it reads another variable, draws random numbers, makes strings)."""
+
+
+def error(name: str, what: str = "used") -> AbstractUseError:
+    return AbstractUseError(
         f"Variable '{name}' is abstract (created inside ps.abstract(): it has a shape, dtype "
         f"and sharding but no value yet), so it cannot be {what}. Give it its value first: "
         "restore a checkpoint into it (ps.Checkpoint(...).restore, Saver.restore, "

@@ -192,7 +192,7 @@ def abstract_value(
         found, error = _abstract.trace_shape(make)
         if found is None:
             why = f" ({type(error).__name__}: {error})" if error is not None else ""
-            raise TypeError(
+            raise _abstract.AbstractTraceError(
                 f"The initial value of variable '{full_name}' cannot be traced for its shape "
                 "inside ps.abstract() (it reads another variable, draws from a "
                 "ps.random.Generator, or makes strings). Pass an initializer of shapes only "
