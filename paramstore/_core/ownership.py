@@ -83,6 +83,7 @@ import numpy as np
 from paramstore._core.context import STATE_LOCK, TRACE_EPOCH
 from paramstore._core.hostcalls import CallbackWriteError, foreign_thread, refused
 from paramstore._core.interrupts import deferred
+from paramstore._core.placement import private_copy
 
 __all__ = ["Ownership", "ownership", "Owned", "Cache", "CallbackWriteError"]
 
@@ -451,20 +452,5 @@ class Ownership:
             value = np.array(var._value, copy=True)
         return value
 
-    @staticmethod
-    def on_cpu(var: Owned) -> bool:
-        """Whether the variable's array is (also) on a CPU device."""
-        sharding = getattr(var._value, "sharding", None)
-        return sharding is None or any(d.platform == "cpu" for d in sharding.device_set)
 
-    @staticmethod
-    def private_copy(x: Any) -> Any:
-        """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding and
-        commitment (so a step fed with it sees the same input signature and does not
-        compile again)."""
-        return jax.device_put(x, x.sharding if x.committed else None, may_alias=False)
-
-
-private_copy = Ownership.private_copy
-on_cpu = Ownership.on_cpu
 ownership = Ownership()

@@ -40,6 +40,8 @@ __all__ = [
     "describe",
     "device_memory_kind",
     "in_host_memory",
+    "on_cpu",
+    "private_copy",
 ]
 
 
@@ -257,3 +259,16 @@ def in_host_memory(sharding: Sharding) -> bool:
     (``"pinned_host"``: an optimizer's offloaded slots)."""
     kind = sharding.memory_kind
     return kind is not None and kind != device_memory_kind(sharding)
+
+
+def on_cpu(sharding: Sharding | None) -> bool:
+    """Whether an array of ``sharding`` (None: a host value, True) is (also) on a CPU device."""
+    if sharding is None:
+        return True
+    return any(d.platform == "cpu" for d in sharding.device_set)  # type: ignore[attr-defined]
+
+
+def private_copy(x: jax.Array) -> jax.Array:
+    """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding and commitment
+    (so a step fed with it sees the same input signature and does not compile again)."""
+    return jax.device_put(x, x.sharding if x.committed else None, may_alias=False)

@@ -57,7 +57,8 @@ import jax
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.interrupts import deferred
 from paramstore._core.jax_api import EVAL, current_trace, staging
-from paramstore._core.ownership import Owned, on_cpu, ownership, private_copy
+from paramstore._core.ownership import Owned, ownership
+from paramstore._core.placement import on_cpu, private_copy
 from paramstore.variable import Variable
 
 __all__ = ["Entry", "StaleProgram", "Twin", "MAX_TWINS"]
@@ -137,7 +138,9 @@ class Entry:
         self.wait = wait  # host callbacks: no donation, waited for under the lock
         self.steady = not shared  # no output shares a variable's buffer: steady path
         self.n_donated = len(donated)
-        self.copy_first = self.donate and any(map(on_cpu, donated))  # see ownership
+        self.copy_first = self.donate and any(  # see the module docstring, "First calls"
+            on_cpu(getattr(ownership.peek(v), "sharding", None)) for v in donated
+        )
         self._masked = masked
         # compiled twins that donate all but the handed-out inputs, by which were handed out
         # (None: none is made for that pattern, more than MAX_TWINS: those arrays are copied)
