@@ -25,11 +25,12 @@ and ``model.safetensors``, or shards with ``model.safetensors.index.json``: e.g.
   that a re-run resumes (``--checkpoint-dir``), evaluation under ``ema.swap``, then the
   averages merged into the float32 kernels (``ps.nn.merge_lora``) and exported;
 * ``--qlora``: QLoRA (``qlora_fine_tune``): the model built abstract under
-  ``mixed_bfloat16``, its blocks' MLP ``Dense`` kernels quantized to int8
-  (``ps.nn.quantize``) *before* loading, so ``init_from_checkpoint`` quantizes each float
-  tensor on the host on its way in; LoRA on the quantized MLP layers and on the attention's
-  query and value projections, Adam's slots in host memory, an EMA; ``ps.plan``'s table of
-  the step's memory printed before training;
+  ``mixed_bfloat16``, its blocks' MLP ``Dense`` kernels and the four attention projections
+  quantized to int8 (``ps.nn.quantize``) *before* loading, so ``init_from_checkpoint``
+  quantizes each float tensor on the host on its way in (the fused ``c_attn`` split into
+  the query, key and value kernels first); LoRA on the quantized MLP layers and on the
+  attention's query and value projections, Adam's slots in host memory, an EMA;
+  ``ps.plan``'s table of the step's memory printed before training;
 * ``ps.checkpoint.export_safetensors`` back to Hugging Face's names and layout with the same
   map turned around (``export``: no hand-written inverse), which
   ``GPT2LMHeadModel.from_pretrained`` loads.
@@ -246,7 +247,8 @@ def fine_tune(model: GPT2, batches: list[np.ndarray], learning_rate: float = 1e-
 
 # the MLP Dense layers of every block, and its attention's query and value projections
 LORA_WHERE = r"block/(c_fc|c_proj|multi_head_attention/(query|value))$"
-QUANT_WHERE = r"block/(c_fc|c_proj)$"  # --qlora: the MLP kernels quantized to int8
+# --qlora: the MLP kernels and the attention's four projections quantized to int8
+QUANT_WHERE = r"block/(c_fc|c_proj|multi_head_attention/(query|key|value|attention_output))$"
 
 
 def lora_tuner(
@@ -301,15 +303,15 @@ def lora_fine_tune(
 def qlora_fine_tune(
     model_dir: str, batches: list[np.ndarray], *, rank: int = 4, seq_len: int = 8
 ) -> dict[str, Any]:
-    """QLoRA: an int8 base (MLP kernels quantized while loading), LoRA adapters (MLP, query, value),
-    Adam with slots in host memory and an EMA; prints ``ps.plan``'s table of the step, then
-    trains on ``batches``."""
+    """QLoRA: an int8 base (the MLP and attention kernels quantized while loading), LoRA
+    adapters (MLP, query, value), Adam with slots in host memory and an EMA; prints
+    ``ps.plan``'s table of the step, then trains on ``batches``."""
     c = Config.from_dir(model_dir)
     model = build(c, seq_len, "mixed_bfloat16")
     quantized = ps.nn.quantize(model, "int8", where=QUANT_WHERE)  # abstract: nothing allocated
     ps.checkpoint.init_from_checkpoint(
         model_dir, hf_names(model), cast=True, allow_unverified=True
-    )  # each float MLP tensor quantized on the host as it is read
+    )  # each float MLP and attention tensor quantized on the host as it is read
     tuner = lora_recipe.LoRATuner(
         model,
         lambda ids: lm_loss(model, ids),
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--qlora",
         action="store_true",
-        help="QLoRA: int8 MLP kernels quantized while loading, LoRA, host-memory slots",
+        help="QLoRA: int8 MLP and attention kernels quantized while loading, LoRA, host-memory slots",
     )
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank (--lora, --qlora)")
     parser.add_argument(

@@ -1,5 +1,6 @@
 """Quantized weights, per layer: Keras 3's ``int8`` and per-channel ``int4`` math, and the
-``quantize`` / ``dequantize`` of one ``Dense`` or ``Embedding`` (``QuantLayer``).
+``quantize`` / ``dequantize`` of one ``Dense``, ``Embedding`` or attention ``Projection``
+(``QuantLayer``).
 
 Contract (docs/api.md, "Quantized weights"; the model-wide ``ps.nn.quantize`` is
 ``paramstore.nn.quantize``):
@@ -7,8 +8,10 @@ Contract (docs/api.md, "Quantized weights"; the model-wide ``ps.nn.quantize`` is
 * ``int8``: ``q = clip(round(w * s), -127, 127)`` with ``s = 127 / (max|w| + 1e-7)`` over
   the *reduced* axis: a ``Dense`` kernel's input axis (one scale per output unit,
   ``kernel_scale`` ``(units,)``), an ``Embedding`` table's output axis (one scale per row,
-  ``embeddings_scale`` ``(input_dim,)``). The arithmetic is float32 and bit-identical to
-  Keras 3's ``abs_max_quantize`` (IEEE division, round half to even).
+  ``embeddings_scale`` ``(input_dim,)``), an attention ``Projection`` kernel's contracted
+  axes (one scale per non-contracted kernel element, ``paramstore.nn.projection``). The
+  arithmetic is float32 and bit-identical to Keras 3's ``abs_max_quantize`` (IEEE division,
+  round half to even).
 * ``int4``: the same with ``[-8, 7]`` and ``s = 7 / (max|w| + 1e-7)``, the values packed two
   per byte along the last axis (low nibble first, an odd axis padded with 0), as Keras 3's
   ``pack_int4(..., axis=-1)``: a kernel ``(in, units)`` is stored ``(in, ceil(units/2))``.
@@ -23,7 +26,8 @@ Contract (docs/api.md, "Quantized weights"; the model-wide ``ps.nn.quantize`` is
   the gradient of the inputs is that of the dequantized kernel (Keras' custom gradient); the
   kernel and its scale take none. ``int4`` computes ``x @ unpack(kernel) / kernel_scale`` in
   the compute dtype. ``Embedding``: the rows, cast to the compute dtype, divided by their
-  scales. LoRA (QLoRA) adds ``(lora_alpha / rank) * x @ a @ b`` on the float inputs.
+  scales. ``Projection``: the same with its einsum (``paramstore.nn.projection``). LoRA
+  (QLoRA) adds ``(lora_alpha / rank) * x @ a @ b`` on the float inputs.
 * ``dequantize`` puts back a float variable (``unpack(q) / scale`` in the layer's variable
   dtype) under the same name with the ``trainable`` flag it had before ``quantize``.
 * Refused, with nothing changed (``ValueError`` naming the layer): an unknown mode (the
@@ -36,7 +40,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +57,9 @@ from paramstore.nn._quant_ops import (
     axes_of,
     check_mode,
     dequantized,
+    int4_einsum,
     int4_matmul,
+    int8_einsum,
     int8_matmul,
     pack_int4,
     quantize_host,
@@ -71,7 +77,9 @@ __all__ = [
     "abs_max_quantize",
     "check_mode",
     "dequantized",
+    "int4_einsum",
     "int4_matmul",
+    "int8_einsum",
     "int8_matmul",
     "is_scale",
     "pack_int4",
@@ -344,8 +352,9 @@ class QuantLayer(LoRALayer):
     """A ``LoRALayer`` whose target can be quantized (see the module docstring):
     ``quantize(mode)``, ``dequantize()``, ``quantization_mode``."""
 
-    #: The axis the scales are taken over (-2: a Dense kernel's input axis).
-    quant_axis: ClassVar[int] = -2
+    #: The axis (axes) the scales are taken over, counted from the end (-2: a Dense kernel's
+    #: input axis; a ``Projection``: its kernel's contracted axes).
+    quant_axis: Axes = -2
     quantization_mode: str | None = None
     _quant_was_trainable: bool = True
 

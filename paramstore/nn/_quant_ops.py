@@ -21,6 +21,7 @@ __all__ = [
     "axes_of",
     "check_mode",
     "dequantized",
+    "int4_einsum",
     "int4_matmul",
     "int8_einsum",
     "int8_matmul",
@@ -220,7 +221,7 @@ def int8_einsum(
     has the kernel's non-contracted axes, as Keras 3's ``EinsumDense._int8_call``: ``x``
     quantized over its contracted axes ``x_axes`` (trailing), int8 x int8 with int32
     accumulation, cast to ``x``'s dtype, divided by both scales. The output's axes are ``x``'s
-    other axes then the kernel's non-contracted ones."""
+    other axes then the kernel's non-contracted ones (its contracted axes lead)."""
     axes = axes_of(x_axes, x.ndim)
     xs = (127.0 / (jnp.max(jnp.abs(x), axis=axes, keepdims=True) + EPSILON)).astype(x.dtype)
     xq = jnp.clip(jnp.round(x * xs), -127, 127).astype(jnp.int8)
@@ -244,3 +245,14 @@ def _einsum_bwd(eq: str, axes: Any, res: Any, g: jax.Array) -> tuple[Any, ...]:
 
 
 int8_einsum.defvjp(_einsum_fwd, _einsum_bwd)
+
+
+def int4_einsum(
+    equation: str, x: jax.Array, packed: jax.Array, scale: jax.Array, units: int
+) -> jax.Array:
+    """``einsum(equation, x, unpack(packed) / scale)`` in ``x``'s dtype, as Keras 3's
+    per-channel int4 ``EinsumDense._int4_call``: the kernel dequantized first (``scale``, in
+    ``x``'s dtype, has the kernel's non-contracted axes, which trail), the inputs not
+    quantized. ``units``: the kernel's last axis before packing."""
+    kernel = unpack_int4(packed, units).astype(x.dtype) / scale
+    return jnp.einsum(equation, x, kernel)

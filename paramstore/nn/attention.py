@@ -4,7 +4,9 @@ Each projection (``query``, ``key``, ``value``, ``attention_output``) is a
 ``paramstore.nn.projection.Projection`` named ``<layer>/<projection>`` (so LoRA reaches it,
 as Keras 3's ``EinsumDense``); the projections are held in the attribute ``weights`` (the
 checkpoint keys ``attn/weights/query/kernel`` ... are those of earlier versions).
-``layer.enable_lora(rank, lora_alpha=None)`` enables LoRA on all four.
+``layer.enable_lora(rank, lora_alpha=None)`` enables LoRA on all four;
+``layer.quantize(mode)`` / ``layer.dequantize()`` quantize them (each as Keras 3's
+``EinsumDense``, see ``paramstore.nn.projection``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from paramstore import initializers as _init
 from paramstore._core.layout import Partition
 from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, hooks, initializer, set_hooks
 from paramstore.nn._lora import check_alpha, check_rank
+from paramstore.nn._quant import check_mode
 from paramstore.nn.projection import Projection
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
@@ -31,7 +34,7 @@ _ORDER = ("query", "key", "value", "attention_output")
 class AttentionProjections(Layer):
     """What ``MultiHeadAttention`` and ``GroupQueryAttention`` share: their four
     ``Projection`` layers (held in the attribute ``weights``), Keras' ``weights`` order, and
-    LoRA on all four."""
+    LoRA and quantized weights on all four."""
 
     _partitions: dict[str, tuple[Partition | None, Partition | None]]
     _kernel_init: Any
@@ -118,7 +121,8 @@ class AttentionProjections(Layer):
             self.projections[name].enable_lora(rank, alpha)
 
     def merge_lora(self) -> None:
-        """Merge the LoRA of every projection that has one (``ValueError`` if none has)."""
+        """Merge the LoRA of every projection that has one (``ValueError``, nothing changed,
+        if none has, or if one of them is quantized: dequantize first)."""
         chosen = [p for p in self.projections.values() if p.lora_enabled]
         if not chosen:
             raise ValueError(
@@ -126,7 +130,45 @@ class AttentionProjections(Layer):
                 "this layer out of merge_lora)."
             )
         for p in chosen:
+            p.check_lora_merge()
+        for p in chosen:
             p.merge_lora()
+
+    @property
+    def quantization_mode(self) -> str | None:
+        """The mode all four projections are quantized in (None when they are not all
+        quantized alike, e.g. after ``ps.nn.quantize(..., where=)`` picked some of them)."""
+        modes = {p.quantization_mode for p in self.projections.values()}
+        return modes.pop() if len(modes) == 1 else None
+
+    def quantize(self, mode: str) -> None:
+        """Quantize the four projections in ``mode`` (``"int8"`` or ``"int4"``), each as Keras
+        3's ``EinsumDense.quantize`` (``ValueError`` naming the layer or the projection,
+        nothing changed: an unknown mode, an unbuilt layer, a projection quantized already
+        or with LoRA enabled)."""
+        me = self.describe()
+        mode = check_mode(mode, me)
+        if not self.built:
+            raise ValueError(
+                f"{me} is not built yet, so it has no projections to quantize: call the layer "
+                "(or layer.build(query_shape, value_shape)) before quantize."
+            )
+        for p in self.projections.values():
+            p.check_quantize(mode)
+        for name in _ORDER:
+            self.projections[name].quantize(mode)
+
+    def dequantize(self) -> None:
+        """Put back the float kernels of the quantized projections (``ValueError`` naming
+        the layer if none is quantized)."""
+        chosen = [p for p in self.projections.values() if p.quantization_mode is not None]
+        if not chosen:
+            raise ValueError(
+                f"{self.describe()} is not quantized: nothing to dequantize (quantize it "
+                "first, or leave it out of dequantize)."
+            )
+        for p in chosen:
+            p.dequantize()
 
 
 _NEG = -1e9  # Keras' large negative number for masked logits (float32)

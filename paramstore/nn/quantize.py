@@ -2,12 +2,20 @@
 
 Contract (docs/api.md, "Quantized weights"; the per-layer math is ``paramstore.nn._quant``):
 
-* ``quantize(module, mode, *, where=None)`` quantizes every ``Dense`` and ``Embedding`` in
-  ``module`` (``module`` itself included) whose full name (``layer.scope_name``) the regular
-  expression ``where`` searches (``None``: all), the blocks of a ``ps.nn.Repeat`` included
-  (named as its template's layers, ``repeat/block/dense``): their stacked kernel
-  ``(n, in, units)`` becomes int8 ``(n, in, units)`` (int4: packed) with a stacked scale
-  ``(n, units)``, one scale row per block. Returns the list of layers it changed.
+* ``quantize(module, mode, *, where=None)`` quantizes every ``Dense``, ``Embedding`` and
+  attention projection in ``module`` (``module`` itself included) whose full name
+  (``layer.scope_name``) the regular expression ``where`` searches (``None``: all), the
+  blocks of a ``ps.nn.Repeat`` included (named as its template's layers,
+  ``repeat/block/dense``): their stacked kernel ``(n, in, units)`` becomes int8
+  ``(n, in, units)`` (int4: packed) with a stacked scale ``(n, units)``, one scale row per
+  block. Returns the list of layers it changed.
+* The attention projections are the ``Projection`` layers of ``MultiHeadAttention`` and
+  ``GroupQueryAttention``, named ``<layer>/query``, ``/key``, ``/value`` and
+  ``/attention_output`` (as for ``ps.nn.enable_lora``): ``where`` is searched in these
+  names, so a pattern matching the attention layer's name picks all four, and
+  ``r"attn/(query|value)$"`` two of them; the list returned holds the projections. An
+  attention layer not built yet has no projections: when nothing matches, the error names
+  such layers.
 * ``dequantize(module_or_layer, *, where=None)`` undoes it on every quantized layer
   ``where`` matches (float kernels back, scales removed, the ``trainable`` flag from before).
 * Everything is checked before anything changes: an unknown mode, ``where`` not a str
@@ -34,6 +42,7 @@ from paramstore.nn._quant import (
     dequantize_variable,
     quantize_variable,
 )
+from paramstore.nn.attention import AttentionProjections
 from paramstore.nn.lora import describe, layers_of
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.repeat.layout import attribute_paths
@@ -41,15 +50,29 @@ from paramstore.nn.repeat.layout import attribute_paths
 __all__ = ["dequantize", "quantize"]
 
 Quantizable = QuantLayer
+_WHAT = "Dense, Embedding or attention projection"
 Found = list[tuple[Quantizable, Repeat | None]]
 
 
 def quantizable_layers(module: Any) -> Found:
-    """Every ``Dense``/``Embedding`` in ``module`` (with the Repeat whose template holds it)."""
+    """Every ``Dense``/``Embedding``/attention ``Projection`` in ``module`` (with the Repeat
+    whose template holds it)."""
     return layers_of(module, QuantLayer)
 
 
-def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
+def _unbuilt_attention(module: Any) -> str:
+    """A hint naming the attention layers of ``module`` not built yet (their projections,
+    made when they build, cannot be found yet); "" when there is none."""
+    names = [ly.scope_name for ly, _ in layers_of(module, AttentionProjections) if not ly.built]
+    if not names:
+        return ""
+    return (
+        f" The attention layers {names} are not built yet, so they have no projections: "
+        "call the model (or build it) before quantize."
+    )
+
+
+def _chosen(module: Any, where: Any, me: str, found: Found, what: str, hint: str = "") -> Found:
     if where is not None and not isinstance(where, str):
         raise TypeError(
             f"{me}: where must be a regular expression (a str searched in each layer's full "
@@ -57,8 +80,9 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
         )
     if not found:
         raise ValueError(
-            f"{me}: {describe(module)} has no {what}: ps.nn.Dense and ps.nn.Embedding (also "
-            "inside a Repeat's blocks) can be quantized."
+            f"{me}: {describe(module)} has no {what}: ps.nn.Dense, ps.nn.Embedding and the "
+            "projections of the attention layers (also inside a Repeat's blocks) can be "
+            "quantized." + hint
         )
     pattern = re.compile(where) if where is not None else None
     unique = list({id(ly): (ly, r) for ly, r in found}.values())  # a layer used twice: once
@@ -66,18 +90,19 @@ def _chosen(module: Any, where: Any, me: str, found: Found, what: str) -> Found:
     if not chosen:
         raise ValueError(
             f"{me}: no {what} of {describe(module)} matches where={where!r}; their full "
-            f"names are {[ly.scope_name for ly, _ in found]}."
+            f"names are {[ly.scope_name for ly, _ in found]}." + hint
         )
     return chosen
 
 
 def quantize(module: Module, mode: str, *, where: str | None = None) -> list[Quantizable]:
-    """Quantize the ``Dense``/``Embedding`` layers of ``module`` whose full name ``where``
-    searches, in ``mode`` (``"int8"`` or ``"int4"``); returns the layers changed (see the
-    module docstring)."""
+    """Quantize the ``Dense``/``Embedding`` layers and attention projections of ``module``
+    whose full name ``where`` searches, in ``mode`` (``"int8"`` or ``"int4"``); returns the
+    layers changed (see the module docstring)."""
     me = "ps.nn.quantize"
     mode = check_mode(mode, me)
-    chosen = _chosen(module, where, me, quantizable_layers(module), "Dense or Embedding layer")
+    found = quantizable_layers(module)
+    chosen = _chosen(module, where, me, found, _WHAT, _unbuilt_attention(module))
     for layer, rep in chosen:
         if rep is not None and not rep.built:
             raise ValueError(

@@ -174,15 +174,23 @@ def test_qlora_quantizes_while_loading_plans_and_trains(ex, hf_dir, capsys):
     with ps.VariableStore():
         run = ex.qlora_fine_tune(hf_dir, batches, rank=2)
         model = run["model"]
+        attn = "gpt2/repeat/block/multi_head_attention/"
         assert sorted(ly.scope_name for ly in run["quantized"]) == [
             "gpt2/repeat/block/c_fc",
             "gpt2/repeat/block/c_proj",
+            *(attn + p for p in ("attention_output", "key", "query", "value")),
         ]
         stacked = model.h.stacked
         assert set(want) == {k for k in stacked if "lora" not in k}
         for key in want:  # int8 values and scales equal loading the floats, then quantizing
             np.testing.assert_array_equal(stacked[key].numpy(), want[key], err_msg=key)
-        assert stacked["c_fc/kernel"].dtype == np.int8 and not stacked["c_fc/kernel"].trainable
+        for key in ("c_fc/kernel", "attn/weights/query/kernel", "attn/weights/attention_output/kernel"):  # fmt: skip
+            assert stacked[key].dtype == np.int8 and not stacked[key].trainable, key
+        c = model.config  # one scale per block and non-contracted kernel element
+        heads, e = c.n_head, c.n_embd
+        assert stacked["attn/weights/query/kernel_scale"].shape == (c.n_layer, heads, e // heads)
+        assert stacked["attn/weights/attention_output/kernel_scale"].shape == (c.n_layer, e)
+        assert stacked["attn/weights/query/lora_kernel_a"].shape == (c.n_layer, e, heads, 2)
         assert run["losses"][-1] < run["losses"][0]
         plan = run["plan"]
         (row,) = plan.devices.values()

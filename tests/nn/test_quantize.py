@@ -344,7 +344,7 @@ def test_bad_input_changes_nothing():
         ps.nn.quantize(model, "int8", where="attn")
     with pytest.raises(TypeError, match="where must be a regular expression"):
         ps.nn.quantize(model, "int8", where=3)
-    with pytest.raises(ValueError, match="no Dense or Embedding layer"):
+    with pytest.raises(ValueError, match="no Dense, Embedding or attention projection"):
         ps.nn.quantize(ps.nn.Sequential([]), "int8")
     same(before, snapshot(model))
     ps.nn.quantize(model, "int8", where="head")
