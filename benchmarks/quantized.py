@@ -93,7 +93,7 @@ class PeakRSS:
 # ------------------------------------------------------------------------ the QLoRA step
 
 
-def ps_step(blocks: int, quantized: bool) -> tuple[Any, Any]:
+def ps_step(blocks: int, quantized: bool, rank: int | None = None) -> tuple[Any, Any]:
     x = depth.data()
     with ps.VariableStore():
         model = ps.nn.Repeat(depth.Block, blocks)
@@ -102,7 +102,7 @@ def ps_step(blocks: int, quantized: bool) -> tuple[Any, Any]:
             ps.nn.quantize(model, "int8")
         for v in model.variables:
             v.trainable = False
-        ps.nn.enable_lora(model, RANK, where=r"dense")
+        ps.nn.enable_lora(model, RANK if rank is None else rank, where=r"dense")
         opt = ps.Optimizer(optax.adam(depth.LR), model.trainable_variables)
 
         @ps.function
@@ -192,6 +192,12 @@ def bench_step(blocks: int, steps: int) -> None:
         print(f"{name:36s} {args:12d} {med:10.2f} {low:8.2f}")
     f32, q8 = variants["float32 LoRA"][1], variants["QLoRA int8 (ps.function)"][1]
     print(f"QLoRA argument bytes / float32 LoRA's: {q8 / f32:.3f} (target <= 0.35)")
+    # The adapters, their Adam slots and the input are the same bytes in both steps, so the
+    # ratio has a floor above the int8 base's own 1/4 that grows with the rank.
+    print(f"{'LoRA rank':>10s} {'float32 LoRA':>13s} {'QLoRA int8':>11s} {'ratio':>6s}")
+    for rank in (1, 2, 4, 8, 16):
+        f, q = ps_step(blocks, False, rank)[1], ps_step(blocks, True, rank)[1]
+        print(f"{rank:>10d} {f:>13d} {q:>11d} {q / f:>6.3f}")
     ratio = statistics.median(times["QLoRA int8 (ps.function)"]) / statistics.median(
         times["hand-written JAX int8 [reference]"]
     )
