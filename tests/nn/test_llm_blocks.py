@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _layers import f32, random_source
 
 import paramstore as ps
 from tests._lazy import lazy
@@ -14,20 +15,7 @@ torch = lazy("torch")
 llama = lazy("transformers.models.llama.modeling_llama")
 
 RNG = np.random.default_rng(11)
-
-
-def rand(*shape):
-    return RNG.standard_normal(shape).astype(np.float32)
-
-
-def f32(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
-
-
-@pytest.fixture(autouse=True)
-def float32_policy():
-    yield
-    ps.mixed_precision.set_global_policy("float32")
+rand = random_source(RNG)
 
 
 # ------------------------------------------------------------------ RMSNormalization

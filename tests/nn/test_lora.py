@@ -8,24 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _layers import f32, random_source
 
 import paramstore as ps
 
-RNG = np.random.default_rng(5)
-
-
-def rand(*shape):
-    return RNG.standard_normal(shape).astype(np.float32)
-
-
-def f32(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
-
-
-@pytest.fixture(autouse=True)
-def float32_policy():
-    yield
-    ps.mixed_precision.set_global_policy("float32")
+rand = random_source(5)
 
 
 def snapshot(module):

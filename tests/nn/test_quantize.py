@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _layers import f32, random_source, same, snapshot
 from safetensors.numpy import save_file
 
 import paramstore as ps
@@ -21,32 +22,7 @@ from paramstore.nn._quant import (
     unpack_int4,
 )
 
-RNG = np.random.default_rng(11)
-
-
-def rand(*shape):
-    return RNG.standard_normal(shape).astype(np.float32)
-
-
-def f32(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
-
-
-@pytest.fixture(autouse=True)
-def float32_policy():
-    yield
-    ps.mixed_precision.set_global_policy("float32")
-
-
-def snapshot(module):
-    return {v.name: (v.numpy().copy(), v.dtype, v.trainable) for v in module.variables}
-
-
-def same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k][0], b[k][0])
-        assert a[k][1:] == b[k][1:], k
+rand = random_source(11)
 
 
 def keras_quantize(layer, mode, keras):

@@ -13,40 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _layers import f32, random_source, same, snapshot
 
 import paramstore as ps
 from paramstore.checkpoint import init_from_checkpoint
 from paramstore.nn._quant import abs_max_quantize, int8_einsum, pack_int4, unpack_int4
 from paramstore.nn.projection import Projection, einsum_axes
 
-RNG = np.random.default_rng(23)
+rand = random_source(23)
 PROJ = ("query", "key", "value", "attention_output")
 KERAS_PROJ = dict(zip(PROJ, ("_query_dense", "_key_dense", "_value_dense", "_output_dense")))
-
-
-def rand(*shape):
-    return RNG.standard_normal(shape).astype(np.float32)
-
-
-def f32(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
-
-
-@pytest.fixture(autouse=True)
-def float32_policy():
-    yield
-    ps.mixed_precision.set_global_policy("float32")
-
-
-def snapshot(module):
-    return {v.name: (v.numpy().copy(), v.dtype, v.trainable) for v in module.variables}
-
-
-def same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k][0], b[k][0])
-        assert a[k][1:] == b[k][1:], k
 
 
 def keras_quantize(layer, mode, keras):
