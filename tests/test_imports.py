@@ -567,6 +567,36 @@ def test_jax_internals_are_used_in_paramstore_jax_only():
     assert users == [], f"move these jax._src uses into paramstore/_core/jax_api.py: {users}"
 
 
+def core_aliases(source: str, path: str) -> list[str]:
+    """Imports of a ``paramstore._core`` module under another name than its own (a leading
+    underscore aside): ``from paramstore._core import frames as _trace`` hid which module a
+    call goes to (issue 33)."""
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        pairs: list[tuple[str, str | None, int]] = []
+        if isinstance(node, ast.ImportFrom) and node.module == f"{PACKAGE}._core":
+            pairs = [(a.name, a.asname, node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            pairs = [
+                (a.name.rsplit(".", 1)[1], a.asname, node.lineno)
+                for a in node.names
+                if a.name.startswith(f"{PACKAGE}._core.")
+            ]
+        for name, alias, line in pairs:
+            if alias is not None and alias.lstrip("_") != name:
+                found.append(f"{path}:{line}: {name} as {alias}")
+    return found
+
+
+def test_core_modules_are_imported_under_their_own_names():
+    assert core_aliases("from paramstore._core import frames as _trace, seed as _seed\n", "x") == [
+        "x:1: frames as _trace"
+    ]
+    assert core_aliases("import paramstore._core.frames as fr\n", "y") == ["y:1: frames as fr"]
+    found = [hit for rel, source in package_sources().items() for hit in core_aliases(source, rel)]
+    assert found == [], f"import _core modules under their own names: {found}"
+
+
 ARCHITECTURE = PACKAGE_DIR.parent / "docs" / "architecture.md"
 
 

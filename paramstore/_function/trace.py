@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import ShapeDtypeStruct
 
 from paramstore import sharding as _sharding
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import Tracer, init_program
 from paramstore._core.loops import pure
@@ -81,7 +81,7 @@ def trace_signature(
     function's first trace, the only one that may create variables."""
     owner = f"ps.function '{name}'"
     flags = TRACE_EPOCH.flags  # a trainable flag that changes during the trace: redone
-    frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=first)
+    frame = frames.Frame(owner, frames.CAPTURE, allow_create=first)
     ref_pos = [i for i, x in enumerate(leaves) if is_ref(x)]
     refs = {i: leaves[i] for i in ref_pos}
     arrays = [x for i, x in enumerate(leaves) if i not in refs]
@@ -93,7 +93,7 @@ def trace_signature(
         args, kwargs = merge(jax.tree_util.tree_unflatten(treedef, full), static)
         out_leaves: list[Any] = []
         new: list[Any] = []
-        with _trace.push(frame):
+        with frames.push(frame):
             try:
                 out = fn(*args, **kwargs)
                 out_leaves, result["out_tree"] = jax.tree_util.tree_flatten(
@@ -111,7 +111,7 @@ def trace_signature(
 
     flat.__wrapped__ = fn  # type: ignore[attr-defined]  # JAX's messages name fn, not flat
     # No lock is held while the body is traced: a captured array is handed out
-    # (_trace), so no step in another thread donates what this trace holds.
+    # (_core.frames), so no step in another thread donates what this trace holds.
     try:
         closed = jax.make_jaxpr(flat)(*arrays)
         if frame.created:
@@ -148,7 +148,7 @@ def trace_signature(
 def _lift(
     name: str,
     closed: Any,
-    frame: _trace.Frame,
+    frame: frames.Frame,
     result: dict[str, Any],
     ref_pos: list[int],
     refs: list[Any],
@@ -223,9 +223,9 @@ class _Inputs(NamedTuple):
     outvars: list[Any]  # the outputs, less the created variables' initial values
 
 
-def _inputs(closed: Any, frame: _trace.Frame) -> _Inputs:
+def _inputs(closed: Any, frame: frames.Frame) -> _Inputs:
     """Which jaxpr variables become inputs: each captured variable's constant, and each
-    created variable's initial value (the output of one ``copy``, see ``_trace.create``:
+    created variable's initial value (the output of one ``copy``, see ``frames.create``:
     in the step, that jaxpr variable is an input instead, and the copy is cut)."""
     jaxpr = closed.jaxpr
     var_of = {id(alias): var for var, alias in frame.captured.values()}

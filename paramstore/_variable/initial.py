@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.dtypes import (
     STRING,
     canonical_dtype,
@@ -49,7 +49,7 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
     concrete array, or (in a ``ps.function`` trace) a tracer."""
     want = None if dtype is None else canonical_dtype(dtype, f"variable '{full_name}'")
     if callable(initial_value) and not isinstance(initial_value, (ArrayOps, jax.Array)):
-        base = _trace.creation_trace()
+        base = frames.creation_trace()
         with (
             naming(full_name, initial_value),
             in_trace(base) if base is not None else nullcontext(),
