@@ -109,6 +109,20 @@ def _describe(module: Module) -> str:
     return f"{type(module).__name__} '{module.scope_name}'"
 
 
+def _check_training(module: Module, given: object) -> None:
+    """``training=`` that is not a Python bool or None: a traced flag where ``module``'s
+    class allows one (``traced_training``), else ``TypeError`` naming the module."""
+    supports = type(module).traced_training
+    if supports and _training.is_flag(given):
+        return
+    extra = " or a boolean scalar array (a traced flag)" if supports else ""
+    raise TypeError(
+        f"{_describe(module)}: training must be True, False or None{extra}, got "
+        f"{type(given).__name__} {given!r:.40}. Pass a Python bool (training=True for "
+        "training, False for evaluation)."
+    )
+
+
 def _ordered(module: Module) -> list[Variable]:
     """The variables in ``weights`` order, whatever an instance attribute named ``weights``
     holds (a class may override ``weights`` with a property: MultiHeadAttention does)."""
@@ -184,11 +198,15 @@ class Module(Node):
     _module_name: str
     # Attributes whose variables come first in ``weights`` (Keras' order), in this order.
     _keras_order: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``training=`` may be a traced flag (a boolean scalar ``jax.Array``,
+    #: paramstore/_core/training.py); a class without a traced mode sets False.
+    traced_training: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "__call__" in cls.__dict__:  # training= travels down (paramstore/_core/training.py)
-            cls.__call__ = _training.propagate(cls.__dict__["__call__"])  # type: ignore[method-assign]
+            call = _training.propagate(cls.__dict__["__call__"], _check_training)
+            cls.__call__ = call  # type: ignore[method-assign]
         init = cls.__dict__.get("__init__")
         if init is None:
             return

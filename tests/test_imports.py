@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -595,6 +596,65 @@ def test_core_modules_are_imported_under_their_own_names():
     assert core_aliases("import paramstore._core.frames as fr\n", "y") == ["y:1: frames as fr"]
     found = [hit for rel, source in package_sources().items() for hit in core_aliases(source, rel)]
     assert found == [], f"import _core modules under their own names: {found}"
+
+
+# Class names of the higher layers that are also plain words ("Sum the deltas"), so not
+# searched for; the layers' base classes are searched for all the same.
+ENGLISH = {"Accuracy", "Activation", "Flatten", "Mean", "Precision", "Projection", "Recall"}
+ENGLISH |= {"Reshape", "Slot", "Sum", "Template"}
+
+
+def higher_names_in_core(sources: Mapping[str, str]) -> list[str]:
+    """Where a ``_core`` module names a class of ``nn`` or ``metrics`` (``Repeat``, ``Layer``,
+    ``Dropout``...), refers to ``nn.``, or has a ``keras`` identifier (issue 33: the bottom
+    layer is generic; what a higher layer needs of it is a hook the higher layer fills)."""
+    classes = {
+        node.name
+        for rel, source in sources.items()
+        if rel.startswith((f"{PACKAGE}/nn/", f"{PACKAGE}/metrics/"))
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+    } - ENGLISH
+    word = re.compile(r"\b(?:" + "|".join(sorted(classes)) + r")\b|\bnn\.")
+    found = []
+    for rel, source in sources.items():
+        if not rel.startswith(f"{PACKAGE}/_core/"):
+            continue
+        if "keras" in rel:
+            found.append(f"{rel}: a keras module")
+        for number, line in enumerate(source.splitlines(), 1):
+            if word.search(line):
+                found.append(f"{rel}:{number}: {line.strip()}")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.alias):
+                names = [node.name, node.asname or ""]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Name | ast.Attribute | ast.FunctionDef | ast.ClassDef):
+                names = [getattr(node, "id", "") or getattr(node, "attr", "") or node.name]
+            else:
+                continue
+            if any("keras" in n.lower() for n in names):
+                found.append(f"{rel}:{getattr(node, 'lineno', '?')}: a keras name")
+    return sorted(set(found))
+
+
+def test_core_names_no_higher_layer():
+    assert higher_names_in_core(
+        {
+            "paramstore/nn/repeat/x.py": "class Repeat: ...\nclass Sum: ...\n",
+            "paramstore/_core/a.py": '"""A Repeat scan. Sum it."""\nx = ps.nn.Dense\n',
+            "paramstore/_core/b.py": "from paramstore._core.keras_objects import get\n",
+            "paramstore/_core/keras_objects.py": "",
+        }
+    ) == [
+        'paramstore/_core/a.py:1: """A Repeat scan. Sum it."""',
+        "paramstore/_core/a.py:2: x = ps.nn.Dense",
+        "paramstore/_core/b.py:1: a keras name",
+        "paramstore/_core/keras_objects.py: a keras module",
+    ]
+    found = higher_names_in_core(package_sources())
+    assert found == [], f"paramstore/_core names a higher layer's classes: {found}"
 
 
 ARCHITECTURE = PACKAGE_DIR.parent / "docs" / "architecture.md"

@@ -25,10 +25,11 @@ the frame's result is the ref's final value. Straight-line code never creates a 
 its jaxpr is exactly what a hand-written pure function gives.
 
 Abstract variables (``ps.abstract()``) have no value to capture or read through: they read
-and assign only what a frame binds them to (``bound``). A ``ps.nn.Repeat`` scan binds its
-abstract template block's variables to the layer slices; a ``shapes`` frame (the Repeat's
-abstract build, traced by ``jax.eval_shape``) binds any abstract variable read inside it to
-zeros staged in its trace, so a block is traced for its shapes without a value existing.
+and assign only what a frame binds them to (``bound``): a higher layer may bind abstract
+variables to slices of stacked arrays inside a ``lax.scan`` body, say. A ``shapes`` frame
+(a trace that only learns shapes, such as one under ``jax.eval_shape``) binds any abstract
+variable read inside it to zeros staged in its trace, so code is traced for its shapes
+without a value existing.
 
 ``depth`` counts active frames over all threads, so ``Variable.value()`` costs one global
 check when no frame is active anywhere.
@@ -332,10 +333,9 @@ def read(var: Variable) -> Any:
 
 def bound(var: Variable) -> tuple[bool, Any]:
     """``(True, value)`` when an active frame binds the ABSTRACT variable ``var`` (which has
-    no value of its own, so nothing is captured or read through): a ``ps.nn.Repeat``'s scan
-    binds its template's variables to the current layer's slices. A frame made with
-    ``shapes=True`` (a trace that only learns shapes, such as a Repeat's abstract build)
-    binds an abstract variable it does not hold to zeros of its shape and dtype, staged in
+    no value of its own, so nothing is captured or read through), as a scan body's frame
+    binds abstract variables to the current slices of stacked arrays. A frame made with
+    ``shapes=True`` (a trace that only learns shapes) binds an abstract variable it does not hold to zeros of its shape and dtype, staged in
     its own trace, on first read. ``(False, None)`` when no frame binds it."""
     key = id(var)
     for frame in reversed(ctx.frames):
