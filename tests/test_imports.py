@@ -657,6 +657,66 @@ def test_core_names_no_higher_layer():
     assert found == [], f"paramstore/_core names a higher layer's classes: {found}"
 
 
+# Errors still told apart by their text, each for a reason (the test fails when one is gone).
+MESSAGE_TESTS = {
+    # Python's own RuntimeError from Thread.start at interpreter shutdown: no type tells it.
+    "paramstore/checkpoint/io.py",
+    # ps.plan's note on _variable.creation's TypeError inside ps.abstract(): to do (issue 33).
+    "paramstore/plan.py",
+}
+
+
+def _is_str_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "str"
+        and len(node.args) == 1
+    )
+
+
+def message_tests(source: str, path: str) -> list[str]:
+    """Where ``source`` tells something apart by its text: ``"..." in str(e)``,
+    ``str(e).startswith(...)`` (or ``endswith``, ``==``), ``re.search(..., str(e))``.
+    Errors of paramstore's own that a caller must recognize have a class of their own
+    (``frames.CreationRefused``, ``dtypes.IntegerOverflow``)."""
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        hit = False
+        if isinstance(node, ast.Compare):
+            hit = any(_is_str_call(x) for x in (node.left, *node.comparators))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("startswith", "endswith") and _is_str_call(node.func.value):
+                hit = True
+            if getattr(node.func.value, "id", None) == "re":
+                hit = any(_is_str_call(a) for a in node.args)
+        if hit:
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_errors_are_told_apart_by_their_type_not_their_text():
+    assert message_tests(
+        "try:\n    f()\nexcept ValueError as e:\n"
+        "    if str(e).startswith('x') or 'y' in str(e) or re.match('z', str(e)):\n"
+        "        raise\n",
+        "m.py",
+    ) == [
+        "m.py:4: str(e).startswith('x')",
+        "m.py:4: 'y' in str(e)",
+        "m.py:4: re.match('z', str(e))",
+    ]
+    found = {
+        rel: hits
+        for rel, source in package_sources().items()
+        if (hits := message_tests(source, rel))
+    }
+    assert set(found) == MESSAGE_TESTS, (
+        "tell errors apart by their class (give an error of paramstore's own a subclass), "
+        f"not by their text: {found}"
+    )
+
+
 ARCHITECTURE = PACKAGE_DIR.parent / "docs" / "architecture.md"
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "STRING",
+    "IntegerOverflow",
     "canonical_dtype",
     "tf_infer",
     "strong",
@@ -61,6 +62,10 @@ def canonical_dtype(dtype: Any, what: str) -> np.dtype:
     return dt
 
 
+class IntegerOverflow(ValueError):
+    """A Python integer that does not fit in int32 while 64-bit JAX is off (``tf_infer``)."""
+
+
 def tf_infer(value: Any) -> np.ndarray:
     """A NumPy array for a Python value, with TensorFlow's dtype inference."""
     arr = np.asarray(value)
@@ -73,7 +78,7 @@ def tf_infer(value: Any) -> np.ndarray:
         if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
             if jax.config.read("jax_enable_x64"):
                 return arr.astype(np.int64)
-            raise ValueError(
+            raise IntegerOverflow(
                 f"Integer value {value!r} does not fit in int32; enable 64-bit JAX "
                 "(jax.config.update('jax_enable_x64', True)) for int64 variables."
             )

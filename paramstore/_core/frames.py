@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # the class sits above this module: a name for annotations on
 __all__ = [
     "Frame",
     "Restage",
+    "CreationRefused",
     "PURE",
     "OPEN",
     "CAPTURE",
@@ -86,6 +87,12 @@ depth = 0  # active frames, all threads together
 _depth_lock = threading.Lock()
 
 NON_FIRST_TRACE = "ps.function-decorated function tried to create variables on non-first trace."
+
+
+class CreationRefused(ValueError):
+    """A variable created where a frame refuses creation (``check_create``: a non-first
+    ``ps.function`` trace, or a frame made with ``allow_create=False``). Its own class, so
+    a caller that words the error for its users tells it apart by type, not by text."""
 
 
 class Restage(BaseException):
@@ -383,7 +390,7 @@ def check_create() -> None:
     """Raise when a variable may not be created here (a non-first ps.function trace)."""
     for frame in ctx.frames:
         if not frame.allow_create:
-            raise ValueError(
+            raise CreationRefused(
                 NON_FIRST_TRACE + " Create variables outside the function, or only on its "
                 "first call (e.g. `if self.w is None: self.w = ps.Variable(...)`)."
             )

@@ -13,6 +13,7 @@ import numpy as np
 from paramstore._core import frames
 from paramstore._core.dtypes import (
     STRING,
+    IntegerOverflow,
     canonical_dtype,
     dtype_error,
     is_key_dtype,
@@ -88,9 +89,9 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
             _check_explicit(host, want, full_name, python_value=value)
     try:
         arr = tf_infer(value)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and "int32" in str(e):
-            raise
+    except IntegerOverflow:
+        raise
+    except (TypeError, ValueError):
         arr = None
     if arr is None or arr.dtype.kind == "O" and not is_text(arr):
         raise TypeError(

@@ -280,14 +280,12 @@ class Repeat(Layer):
             with frames.push(frame):
                 y = t.block(h, *args, **kwargs)
                 y = y.value() if isinstance(y, Variable) else y
-        except ValueError as e:
-            if str(e).startswith(frames.NON_FIRST_TRACE):
-                raise ValueError(
-                    f"{me}: the block {describe(t.block)} created a variable after its first "
-                    "call. A repeated block must create its variables once (in __init__ or "
-                    "on its first call)."
-                ) from None
-            raise
+        except frames.CreationRefused:
+            raise ValueError(
+                f"{me}: the block {describe(t.block)} created a variable after its first "
+                "call. A repeated block must create its variables once (in __init__ or "
+                "on its first call)."
+            ) from None
         if jnp.shape(y) != jnp.shape(h) or jnp.result_type(y) != jnp.result_type(h):
             raise ValueError(
                 f"{me}: the block {describe(t.block)} returned shape {jnp.shape(y)} dtype "
