@@ -225,9 +225,9 @@ class Variable(ArrayOps, Owned):
         """The current array (inside ``ps.function`` / ``ps.pure``, the traced value). A
         string variable's is a NumPy ``StringDType`` array (host data)."""
         if frames.depth:
-            return frames.read(self)  # type: ignore[no-any-return]
+            return frames.read(self)
         if current_trace() is not EVAL:
-            return frames.outside(self)  # type: ignore[no-any-return]
+            return frames.outside(self)
         return ownership.hand_out(self)  # type: ignore[no-any-return]
 
     read_value = value
@@ -507,13 +507,13 @@ class _Abstract(Variable):
         return True
 
     def _bound(self) -> bool:
-        return bool(frames.depth) and bool(frames.bound(self)[0])
+        return bool(frames.depth) and frames.bound(self) is not None
 
     def value(self) -> jax.Array:
         if frames.depth:
-            found, value = frames.bound(self)
-            if found:
-                return value  # type: ignore[no-any-return]
+            value = frames.bound(self)
+            if value is not None:
+                return value
         raise _abstract.error(self._name, "read")
 
     read_value = value

@@ -104,13 +104,13 @@ class _TraceEpoch:
         """A variable moved to a new sharding."""
         self.epoch = next(self._count)
 
-    def retire(self, var: Any) -> None:
+    def retire(self, var: object) -> None:
         """Mark ``var`` replaced for good: every trace that captured it is traced anew."""
         key = id(var)
         self._retired[key] = weakref.ref(var, lambda _r: self._retired.pop(key, None))
         self.bump()
 
-    def is_retired(self, var: Any) -> bool:
+    def is_retired(self, var: object) -> bool:
         """Whether ``retire(var)`` was called."""
         ref = self._retired.get(id(var))
         return ref is not None and ref() is var

@@ -72,7 +72,7 @@ def propagate(call: F, check: Check) -> F:
     )
 
     @functools.wraps(call)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: object, *args: object, **kwargs: object) -> object:
         if position is not None and len(args) > position:
             given = args[position]
         else:
