@@ -345,8 +345,9 @@ def bound(var: Variable) -> jax.Array | None:
     """The value when an active frame binds the ABSTRACT variable ``var`` (which has
     no value of its own, so nothing is captured or read through), as a scan body's frame
     binds abstract variables to the current slices of stacked arrays. A frame made with
-    ``shapes=True`` (a trace that only learns shapes) binds an abstract variable it does not hold to zeros of its shape and dtype, staged in
-    its own trace, on first read. None when no frame binds it."""
+    ``shapes=True`` (a trace that only learns shapes) binds an abstract variable it does
+    not hold to zeros of its shape and dtype, staged in its own trace, on first read. None
+    when no frame binds it."""
     key = id(var)
     for frame in reversed(ctx.frames):
         if key in frame.values:
