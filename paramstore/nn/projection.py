@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paramstore.nn._base import PolicyLike, Shape, as_float, set_hooks
+from paramstore.nn._arguments import set_hooks
+from paramstore.nn._base import PolicyLike, Shape, as_float
 from paramstore.nn._lora import LoRALayer, lora_delta
 from paramstore.typing import Initializer, ValueLike
 from paramstore.variable import Variable
