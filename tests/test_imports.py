@@ -720,6 +720,42 @@ def test_errors_are_told_apart_by_their_type_not_their_text():
 ARCHITECTURE = PACKAGE_DIR.parent / "docs" / "architecture.md"
 
 
+# docs/architecture.md, "Modules": one job a module, each under ~LINE_GUIDE lines but these.
+LINE_GUIDE = 450
+LONGER = {
+    "paramstore/variable.py": "ps.Variable in one place, its hot paths written out (issue 23)",
+    "paramstore/_core/ownership.py": "459 lines as of issue 33: to be split",
+}
+
+
+def test_modules_stay_under_the_line_guide():
+    sizes = {rel: source.count("\n") for rel, source in package_sources().items()}
+    longer = {rel for rel, n in sizes.items() if n > LINE_GUIDE}
+    assert longer <= set(LONGER), (
+        f"modules past {LINE_GUIDE} lines (split one along a real seam, or add it to LONGER "
+        f"with its reason and to docs/architecture.md): "
+        f"{sorted((rel, sizes[rel]) for rel in longer - set(LONGER))}"
+    )
+    assert not set(LONGER) - longer, f"under {LINE_GUIDE} lines now: {set(LONGER) - longer}"
+
+
+def test_every_path_the_docs_and_docstrings_name_exists():
+    """A ``paramstore/....py`` (or ``paramstore/.../``) path in the docs, the README or the
+    package's own text names a file or folder that exists (issue 33: ``nn/repeat.py``)."""
+    root = PACKAGE_DIR.parent
+    texts = {p: p.read_text(encoding="utf-8") for p in root.joinpath("docs").rglob("*.md")}
+    texts[root / "README.md"] = (root / "README.md").read_text(encoding="utf-8")
+    texts.update({PACKAGE_DIR.parent / rel: src for rel, src in package_sources().items()})
+    path = re.compile(r"\bparamstore/[\w/]+(?:\.py|/)")
+    missing = sorted(
+        f"{file.relative_to(root)}: {found}"
+        for file, text in texts.items()
+        for found in set(path.findall(text))
+        if not (root / found).exists()
+    )
+    assert missing == [], f"paths that do not exist: {missing}"
+
+
 def test_the_architecture_page_draws_this_layer_table_and_every_module():
     text = ARCHITECTURE.read_text(encoding="utf-8")
     rows = []
