@@ -1,22 +1,25 @@
 """The one traversal of an object graph: ``walk(root)`` yields ``(path, object)``.
 
-Contract (used by ``Module.variables``, ``ps.Checkpoint``'s paths and ``_collect``, the
-parser of "a collection of variables"):
+Contract (used by ``Module.variables`` and ``Module.weights``, ``ps.Checkpoint``'s paths,
+``_collect``, the parser of "a collection of variables", and ``ps.nn.Repeat``'s block paths):
 
-* ``walk(root, prefix=None, *, holders=False)`` yields every ``Variable`` and every
-  ``Node`` (``ps.Module``) reachable from ``root``, each object once (where first met),
-  with its path: ``"model/layers/0/w"`` (segments joined by ``/`` below ``prefix``), or
-  ``None`` for every path when ``prefix`` is None (no strings are built).
+* ``walk(root, prefix=None, *, holders=False, children=None)`` yields every ``Variable``
+  and every ``Node`` (``ps.Module``) reachable from ``root``, each object once (where first
+  met), with its path: ``"model/layers/0/w"`` (segments joined by ``/`` below ``prefix``),
+  or ``None`` for every path when ``prefix`` is None (no strings are built).
 * Order (``tf.Module._flatten``'s): a node's children in its own order (a Module's
   attributes sorted by name), each flattened in ``tf.nest`` order (mapping keys sorted,
   insertion order if they do not sort; lists and tuples in order; other JAX pytrees in
   their own order), stopping at Variables and nodes; a node's direct finds come before
   those of its sub-nodes, which are then walked in the order found.
 * ``holders=True`` also descends into objects that hold variables without being
-  Modules: an object with a ``_ps_children()`` method (``ps.Checkpoint``), one whose
-  ``.state`` is a Variable (``ps.random.Generator``: path ``<...>/state``), or one with a
-  non-callable ``.variables`` (path ``<...>/variables/<i>``). ``Module.variables`` walks
-  without them, as ``tf.Module`` does.
+  Modules, and yields them (as it yields nodes): an object with a ``_ps_children()``
+  method (``ps.Checkpoint``), one whose ``.state`` is a Variable (``ps.random.Generator``:
+  path ``<...>/state``), or one with a non-callable ``.variables`` (path
+  ``<...>/variables/<i>``). ``Module.variables`` walks without them, as ``tf.Module`` does.
+* ``children(node)``, where given, lists a node's children instead of its own
+  ``_ps_children()``: the same walk in another order (``Module.weights``: Keras' order,
+  attributes in assignment order).
 * A child may be keyed by ``Relative(owner, rest, fallback)`` instead of a string: its path
   is then ``<node path>/<owner's path>/<rest>`` where ``owner`` has a path in this walk, else
   ``<node path>/<fallback>``. Such children are walked after everything else (so every
@@ -27,7 +30,7 @@ parser of "a collection of variables"):
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +74,8 @@ class Relative:
 
 
 Key = str | Relative
+Children = Callable[["Node"], Iterable[tuple[Key, Any]]]
+"""``children(node)``: a node's ``(key, child)`` pairs in the order a walk takes them."""
 
 
 class Node:
@@ -133,10 +138,15 @@ def _join(path: str | None, segment: str | None) -> str | None:
     return f"{path}/{segment}" if path else segment
 
 
+def _own_children(node: Node) -> Iterable[tuple[Key, Any]]:
+    return node._ps_children()
+
+
 class _Walk:
-    def __init__(self, paths: bool, holders: bool) -> None:
+    def __init__(self, paths: bool, holders: bool, children: Children) -> None:
         self.paths = paths
         self.holders = holders
+        self.children = children
         self.seen: set[int] = set()
         self.path_of: dict[int, str] = {}
         self.deferred: list[tuple[str, Relative, Any]] = []
@@ -159,11 +169,10 @@ class _Walk:
         if is_node or (self.holders and not isinstance(x, (Mapping, list, tuple))):
             if id(x) in self.seen:
                 return
-            below = list(x._ps_children()) if is_node else _holder_children(x)
+            below = list(self.children(x)) if is_node else _holder_children(x)
             if below is not None:
                 self.seen.add(id(x))
-                if is_node:
-                    out.append((path, x))
+                out.append((path, x))
                 later.append((path, below))
                 return
         for segment, child in container_items(x) or ():
@@ -199,9 +208,14 @@ class _Walk:
 
 
 def walk(
-    root: Any, prefix: str | None = None, *, holders: bool = False
+    root: Any,
+    prefix: str | None = None,
+    *,
+    holders: bool = False,
+    children: Children | None = None,
 ) -> Iterator[tuple[str | None, Any]]:
-    """Every Variable and Node under ``root`` with its path (see the module docstring)."""
-    state = _Walk(prefix is not None, holders)
+    """Every Variable and Node (and holder) under ``root`` with its path (see the module
+    docstring)."""
+    state = _Walk(prefix is not None, holders, children or _own_children)
     yield from state.expand([(None, root)], prefix)
     yield from state.resolve()

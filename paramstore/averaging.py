@@ -53,7 +53,7 @@ from paramstore._core.context import STATE_LOCK, ctx
 from paramstore._core.interrupts import deferred
 from paramstore._core.ownership import ownership
 from paramstore._core.store import default_store, give_back, journal
-from paramstore._function.trace import initial_from_first_call
+from paramstore._function.initial import initial_from_first_call
 from paramstore._traverse import Key, Relative
 from paramstore.module import Module, child_created
 from paramstore.typing import VariablesLike

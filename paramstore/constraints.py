@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
-from paramstore._core.keras_objects import Registry, abstract_call
+from paramstore._variable.keras_objects import Registry, abstract_call
 from paramstore.typing import ConstraintLike
 
 __all__ = [

@@ -66,7 +66,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import ARRAY_TYPE
 from paramstore._core.ownership import ownership
@@ -175,7 +175,7 @@ class Function(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run the compiled function (tracing it for a new signature first); assigned
         variables are updated after the call."""
-        if self._simple and not kwargs and not _trace.depth:
+        if self._simple and not kwargs and not frames.depth:
             # The common call: arrays only, no static arguments, no frame anywhere. Keyed
             # on the avals alone; the general path below costs ~5 us more per call.
             fast: list[Any] = [len(args)]
@@ -196,7 +196,7 @@ class Function(Generic[P, R]):
             if instance is None:
                 raise ReferenceError("The object this ps.function method is bound to is gone.")
             args = (instance, *args)  # type: ignore[assignment]
-        if _trace.active():
+        if frames.active():
             return self._fn(*args, **kwargs)  # inside another ps.function or ps.pure: inline
         while True:
             entry, leaves, fast_key = self._entry(tuple(args), dict(kwargs))

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from paramstore._collect import Where, named, non_trainable, structured, trainable
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.context import STATE_LOCK
 from paramstore._core.dtypes import shape_error
 from paramstore._core.interrupts import deferred
@@ -146,11 +146,11 @@ def _run_bound(
     kwargs: dict[str, Any],
     owner: str,
     kind: int,
-) -> tuple[Any, _trace.Frame]:
+) -> tuple[Any, frames.Frame]:
     """Run ``fn`` with ``variables`` bound to ``values``: its output and the frame (whose
     ``final`` gives each variable's value after the call)."""
-    frame = _trace.Frame(owner, kind, list(zip(variables, values)))
-    with _trace.push(frame):
+    frame = frames.Frame(owner, kind, list(zip(variables, values)))
+    with frames.push(frame):
         out = fn(*args, **kwargs)
         out = jax.tree_util.tree_map(_as_value, out, is_leaf=_is_var)
     return out, frame
@@ -174,12 +174,12 @@ def _eager_or_staged(
     it and every later call run as the compiled ``staged[0]`` (see ``_STAGER``)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if staged and not _trace.active():
+        if staged and not frames.active():
             return staged[0](*args, **kwargs)
-        outermost = not _trace.active() and current_trace() is EVAL
+        outermost = not frames.active() and current_trace() is EVAL
         try:
             return call(*args, **kwargs)
-        except _trace.Restage:
+        except frames.Restage:
             if not (outermost and _STAGER):
                 raise
         staged[:] = [_STAGER[0](call)]
@@ -202,7 +202,7 @@ def pure(
 
     def pure_fn(values: Mapping[str, ValueLike], *args: Any, **kwargs: Any) -> tuple[R, State]:
         _, _, vals = _values_for(names, found, values)
-        out, frame = _run_bound(fn, found, vals, args, kwargs, owner, _trace.PURE)
+        out, frame = _run_bound(fn, found, vals, args, kwargs, owner, frames.PURE)
         return out, State(zip(names, map(frame.final, found)))
 
     pure_fn.__name__ = f"pure_{getattr(fn, '__name__', 'fn')}"
@@ -253,7 +253,7 @@ def value_and_grad(
         assigned: list[Variable] = []
 
         def loss(vals: list[Any]) -> tuple[Any, tuple[Any, list[Any]]]:
-            out, frame = _run_bound(fn, unique, vals, args, kwargs, owner, _trace.OPEN)
+            out, frame = _run_bound(fn, unique, vals, args, kwargs, owner, frames.OPEN)
             assigned[:] = frame.assigned.values()
             if has_aux and not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -36,7 +36,7 @@ from paramstore._core.interrupts import deferred
 from paramstore._core.jax_api import refuse_as_array
 from paramstore._core.store import default_store, give_back, journal
 from paramstore._summary import summary as _summary
-from paramstore._traverse import Key, Node, container_items, walk
+from paramstore._traverse import Key, Node, walk
 from paramstore.variable import Variable
 
 __all__ = ["Module"]
@@ -109,6 +109,20 @@ def _describe(module: Module) -> str:
     return f"{type(module).__name__} '{module.scope_name}'"
 
 
+def _check_training(module: Module, given: object) -> None:
+    """``training=`` that is not a Python bool or None: a traced flag where ``module``'s
+    class allows one (``traced_training``), else ``TypeError`` naming the module."""
+    supports = type(module).traced_training
+    if supports and _training.is_flag(given):
+        return
+    extra = " or a boolean scalar array (a traced flag)" if supports else ""
+    raise TypeError(
+        f"{_describe(module)}: training must be True, False or None{extra}, got "
+        f"{type(given).__name__} {given!r:.40}. Pass a Python bool (training=True for "
+        "training, False for evaluation)."
+    )
+
+
 def _ordered(module: Module) -> list[Variable]:
     """The variables in ``weights`` order, whatever an instance attribute named ``weights``
     holds (a class may override ``weights`` with a property: MultiHeadAttention does)."""
@@ -118,9 +132,7 @@ def _ordered(module: Module) -> list[Variable]:
             return list(attr.fget(module))
         if attr is not None:
             break
-    out: list[Variable] = []
-    _keras_weights(module, {id(module)}, out)
-    return out
+    return _keras_weights(module)
 
 
 class _KerasWeights:
@@ -130,39 +142,25 @@ class _KerasWeights:
     def __get__(self, module: Module | None, owner: type | None = None) -> Any:
         if module is None:
             return self
-        out: list[Variable] = []
-        _keras_weights(module, {id(module)}, out)
-        return out
+        return _keras_weights(module)
 
 
-def _keras_weights(module: Module, seen: set[int], out: list[Variable]) -> None:
-    """Append ``module``'s variables to ``out`` in Keras' order (see ``Module.weights``):
-    its own variables, then each sub-module's whole, attributes in assignment order."""
-    first = (*type(module)._keras_order, *getattr(type(module), "variable_names", ()))
-    attrs = list(vars(module))
+def _keras_children(node: Node) -> Iterable[tuple[Key, Any]]:
+    """A module's attributes in Keras' order (see ``Module.weights``): its class's
+    ``_keras_order`` and ``variable_names`` first, then the others in assignment order."""
+    if not isinstance(node, Module):
+        return node._ps_children()
+    first = (*type(node)._keras_order, *getattr(type(node), "variable_names", ()))
+    attrs = list(vars(node))
     rank = {k: (first.index(k) if k in first else len(first) + attrs.index(k)) for k in attrs}
-    children = sorted(
-        ((k, v) for k, v in module._ps_children() if isinstance(k, str) and k in rank),
-        key=lambda kv: rank[kv[0]],
-    )
-    subs: list[Module] = []
+    own = [(k, v) for k, v in node._ps_children() if isinstance(k, str) and k in rank]
+    return sorted(own, key=lambda kv: rank[kv[0]])
 
-    def visit(x: Any) -> None:
-        if isinstance(x, (Variable, Module)):
-            if id(x) not in seen:
-                seen.add(id(x))
-                if isinstance(x, Variable):
-                    out.append(x)
-                else:
-                    subs.append(x)
-            return
-        for _, child in container_items(x) or ():
-            visit(child)
 
-    for _, value in children:
-        visit(value)
-    for sub in subs:
-        _keras_weights(sub, seen, out)
+def _keras_weights(module: Module) -> list[Variable]:
+    """``module``'s variables in Keras' order: its own variables, then each sub-module's
+    whole (the one traversal, ``_traverse.walk``, with the children in Keras' order)."""
+    return [v for _, v in walk(module, children=_keras_children) if isinstance(v, Variable)]
 
 
 def _check_name(name: Any) -> None:
@@ -184,11 +182,15 @@ class Module(Node):
     _module_name: str
     # Attributes whose variables come first in ``weights`` (Keras' order), in this order.
     _keras_order: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``training=`` may be a traced flag (a boolean scalar ``jax.Array``,
+    #: paramstore/_core/training.py); a class without a traced mode sets False.
+    traced_training: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "__call__" in cls.__dict__:  # training= travels down (paramstore/_core/training.py)
-            cls.__call__ = _training.propagate(cls.__dict__["__call__"])  # type: ignore[method-assign]
+            call = _training.propagate(cls.__dict__["__call__"], _check_training)
+            cls.__call__ = call  # type: ignore[method-assign]
         init = cls.__dict__.get("__init__")
         if init is None:
             return

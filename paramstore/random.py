@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core import seed as _seed
 from paramstore._core.context import STATE_LOCK
 from paramstore._core.seed import get_seed, naming
@@ -144,7 +144,7 @@ def get_global_generator() -> Generator:
     if _global is None:
         with _global_lock:
             if _global is None:
-                with VariableStore(), _trace.no_frames():
+                with VariableStore(), frames.no_frames():
                     _global = Generator(get_seed(), name="global_generator")
     return _global
 

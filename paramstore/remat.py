@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast, overload
 import jax
 import numpy as np
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore.variable import Variable, VariableSlice
 
 __all__ = ["remat", "checkpoint_policy"]
@@ -83,8 +83,8 @@ def remat(fn: F | None = None, policy: Policy | None = None) -> F | Callable[[F]
         bound = [*read, *written]
 
         def inner(values: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
-            frame = _trace.Frame(owner, _trace.PURE, list(zip(bound, values)))
-            with _trace.push(frame):
+            frame = frames.Frame(owner, frames.PURE, list(zip(bound, values)))
+            with frames.push(frame):
                 out = call(arrays)
                 out = jax.tree_util.tree_map(_value, out, is_leaf=_is_variable)
             return out, [frame.final(v) for v in written]
@@ -108,15 +108,15 @@ def _variables_used(
 ) -> tuple[list[Variable], list[Variable]]:
     """The variables ``call(arrays)`` reads (only) and those it assigns, found by tracing it
     abstractly once on its own."""
-    frame = _trace.Frame("ps.remat (discovery)", _trace.CAPTURE)
+    frame = frames.Frame("ps.remat (discovery)", frames.CAPTURE)
 
     def run(arrays: list[Any]) -> Any:
-        with _trace.push(frame):
+        with frames.push(frame):
             out = call(arrays)
             return jax.tree_util.tree_map(_value, out, is_leaf=_is_variable)
 
     specs = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in arrays]
-    with _trace.no_frames():
+    with frames.no_frames():
         jax.eval_shape(run, specs)
     written = [v for v in frame.assigned.values() if not v._is_string]
     w_ids = {id(v) for v in written}

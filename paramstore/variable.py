@@ -68,7 +68,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec, Sharding
 from jax.typing import DTypeLike
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core import html as _html
 from paramstore._core.context import STATE_LOCK, TRACE_EPOCH, prefixed
 from paramstore._core.dtypes import STRING, is_key_dtype, shape_error
@@ -200,7 +200,7 @@ class Variable(ArrayOps, Owned):
             self.__class__ = _Abstract
             _abstract.remember(self, make)
         elif traced:  # bound in the ps.function trace; its array comes after the trace, made
-            _trace.create(self, value)  # by ps.function in a program with this sharding
+            frames.create(self, value)  # by ps.function in a program with this sharding
             placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
             ownership.adopt(self, placeholder, owned=True)
         self._store = store
@@ -224,10 +224,10 @@ class Variable(ArrayOps, Owned):
     def value(self) -> jax.Array:
         """The current array (inside ``ps.function`` / ``ps.pure``, the traced value). A
         string variable's is a NumPy ``StringDType`` array (host data)."""
-        if _trace.depth:
-            return _trace.read(self)  # type: ignore[no-any-return]
+        if frames.depth:
+            return frames.read(self)
         if current_trace() is not EVAL:
-            return _trace.outside(self)  # type: ignore[no-any-return]
+            return frames.outside(self)
         return ownership.hand_out(self)  # type: ignore[no-any-return]
 
     read_value = value
@@ -247,7 +247,7 @@ class Variable(ArrayOps, Owned):
         return (
             type(self) is Variable
             and not self._is_key
-            and not _trace.depth
+            and not frames.depth
             and (current_trace() is EVAL)
         )
 
@@ -397,7 +397,7 @@ class Variable(ArrayOps, Owned):
             d, steady = delta, True
         else:
             d, steady = _convert.checked_delta(self, delta, how), False
-        if _trace.depth and _trace.active():  # traced: plain jnp ops, no nested jit
+        if frames.depth and frames.active():  # traced: plain jnp ops, no nested jit
             op = jnp.add if how == "add" else jnp.subtract
             self._swap(op(self.value(), d), update=f"assign_{how[:3]}")
             return
@@ -432,7 +432,7 @@ class Variable(ArrayOps, Owned):
     def _swap(self, new: Any, placed: bool = False, owned: bool = True, update: str = "") -> None:
         """Make ``new`` (checked by the caller) the value: in the active frame, or for real
         (``update``: the op, e.g. ``assign_add``, when ``new`` is computed from the value)."""
-        if _trace.depth and _trace.bind(self, new, update):
+        if frames.depth and frames.bind(self, new, update):
             return
         trace = current_trace()
         if isinstance(new, Tracer) or trace is not EVAL and staging(trace):
@@ -507,13 +507,13 @@ class _Abstract(Variable):
         return True
 
     def _bound(self) -> bool:
-        return bool(_trace.depth) and bool(_trace.bound(self)[0])
+        return bool(frames.depth) and frames.bound(self) is not None
 
     def value(self) -> jax.Array:
-        if _trace.depth:
-            found, value = _trace.bound(self)
-            if found:
-                return value  # type: ignore[no-any-return]
+        if frames.depth:
+            value = frames.bound(self)
+            if value is not None:
+                return value
         raise _abstract.error(self._name, "read")
 
     read_value = value

@@ -5,8 +5,8 @@
 * ``stores``: ``with ps.VariableStore():`` blocks, innermost last.
 * ``placements``: ``with ps.device(...):`` blocks, innermost last.
 * ``names``: variables whose initializer is running, for name-derived PRNG keys.
-* ``recorders``: ``_seed.recording()`` blocks (``ps.nn.Repeat`` learning a block's
-  initializers), innermost last.
+* ``recorders``: ``_seed.recording()`` blocks (the initializers of the variables created
+  inside), innermost last.
 * ``axis_rules``: ``axis_rules(mesh, rules)`` blocks (``_core.layout``), innermost last.
 * ``abstract``: how many ``with ps.abstract():`` blocks are open (``_variable.abstract``).
 * ``training``: the ``training=`` value an enclosing call passes down (``_core.training``),
@@ -74,15 +74,15 @@ class _TraceEpoch:
     has changed, process-wide: a variable's ``trainable`` flag (``v.trainable = ...``,
     ``module.trainable = ...``: ``bump``), its placement (any write that moves a variable
     to a new sharding, ``_core.ownership``'s one write path: ``placed``), or a variable
-    *retired* (``retire``: a layer replaced it, as ``ps.nn.quantize`` replaces a float
+    *retired* (``retire``: a module replaced it, as quantizing a layer replaces a float
     kernel by an int8 one, so a trace that read it is stale). A trace records the epoch
     and, when it has moved, checks the flags and shardings of the variables it captured:
     the trace is redone where one it saw changed (freezing between calls takes effect; a
     step compiled before a reshard or a restore onto a new sharding does not write its
     variables back on their old shardings). ``flags`` counts the flag changes alone: a trace
     during which one changed is redone (it may have seen either value). ``restructure()``
-    also moves ``structure``: a change to what a layer computes with the same variables
-    (``enable_lora``, ``merge_lora``), after which every trace is redone on its next call."""
+    also moves ``structure``: a change to what a module computes with the same variables
+    (LoRA enabled or merged), after which every trace is redone on its next call."""
 
     __slots__ = ("epoch", "flags", "_count", "_retired", "structure")
 
@@ -104,19 +104,19 @@ class _TraceEpoch:
         """A variable moved to a new sharding."""
         self.epoch = next(self._count)
 
-    def retire(self, var: Any) -> None:
+    def retire(self, var: object) -> None:
         """Mark ``var`` replaced for good: every trace that captured it is traced anew."""
         key = id(var)
         self._retired[key] = weakref.ref(var, lambda _r: self._retired.pop(key, None))
         self.bump()
 
-    def is_retired(self, var: Any) -> bool:
+    def is_retired(self, var: object) -> bool:
         """Whether ``retire(var)`` was called."""
         ref = self._retired.get(id(var))
         return ref is not None and ref() is var
 
     def restructure(self) -> None:
-        """A layer now computes differently (LoRA enabled or merged): every trace is stale."""
+        """A module now computes differently (LoRA enabled or merged): every trace is stale."""
         self.structure = next(self._count)
         self.bump()
 

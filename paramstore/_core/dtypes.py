@@ -11,14 +11,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 __all__ = [
     "STRING",
+    "IntegerOverflow",
     "canonical_dtype",
     "tf_infer",
     "strong",
@@ -32,13 +34,15 @@ __all__ = [
 
 STRING = np.dtypes.StringDType()
 
+A = TypeVar("A", jax.Array, np.ndarray)  # an array, JAX's or NumPy's
 
-def is_key_dtype(dtype: Any) -> bool:
+
+def is_key_dtype(dtype: DTypeLike) -> bool:
     """Whether ``dtype`` is a typed PRNG key dtype (``jax.random.key(0).dtype``)."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def canonical_dtype(dtype: Any, what: str) -> np.dtype:
+def canonical_dtype(dtype: DTypeLike, what: str) -> np.dtype:
     if dtype is str or dtype is np.str_:
         return STRING
     try:
@@ -61,7 +65,11 @@ def canonical_dtype(dtype: Any, what: str) -> np.dtype:
     return dt
 
 
-def tf_infer(value: Any) -> np.ndarray:
+class IntegerOverflow(ValueError):
+    """A Python integer that does not fit in int32 while 64-bit JAX is off (``tf_infer``)."""
+
+
+def tf_infer(value: object) -> np.ndarray:
     """A NumPy array for a Python value, with TensorFlow's dtype inference."""
     arr = np.asarray(value)
     kind = arr.dtype.kind
@@ -73,7 +81,7 @@ def tf_infer(value: Any) -> np.ndarray:
         if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
             if jax.config.read("jax_enable_x64"):
                 return arr.astype(np.int64)
-            raise ValueError(
+            raise IntegerOverflow(
                 f"Integer value {value!r} does not fit in int32; enable 64-bit JAX "
                 "(jax.config.update('jax_enable_x64', True)) for int64 variables."
             )
@@ -83,7 +91,7 @@ def tf_infer(value: Any) -> np.ndarray:
     return arr  # an object array: the caller refuses it
 
 
-def strong(x: Any) -> Any:
+def strong(x: A) -> A:
     """``x`` without JAX's weak type: a variable's array always has a definite dtype."""
     return x.astype(x.dtype) if getattr(x, "weak_type", False) else x
 
@@ -118,7 +126,7 @@ def lossless(src: np.dtype, dst: np.dtype, weak: bool) -> bool:
 
 
 def dtype_error(
-    var_name: str, src: Any, dst: np.dtype, op: str, python_value: Any = None
+    var_name: str, src: DTypeLike, dst: np.dtype, op: str, python_value: object = None
 ) -> TypeError:
     what = f"dtype {np.dtype(src).name}"
     if python_value is not None:  # say what the user wrote, not NumPy's default width

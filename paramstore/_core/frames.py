@@ -25,10 +25,11 @@ the frame's result is the ref's final value. Straight-line code never creates a 
 its jaxpr is exactly what a hand-written pure function gives.
 
 Abstract variables (``ps.abstract()``) have no value to capture or read through: they read
-and assign only what a frame binds them to (``bound``). A ``ps.nn.Repeat`` scan binds its
-abstract template block's variables to the layer slices; a ``shapes`` frame (the Repeat's
-abstract build, traced by ``jax.eval_shape``) binds any abstract variable read inside it to
-zeros staged in its trace, so a block is traced for its shapes without a value existing.
+and assign only what a frame binds them to (``bound``): a higher layer may bind abstract
+variables to slices of stacked arrays inside a ``lax.scan`` body, say. A ``shapes`` frame
+(a trace that only learns shapes, such as one under ``jax.eval_shape``) binds any abstract
+variable read inside it to zeros staged in its trace, so code is traced for its shapes
+without a value existing.
 
 ``depth`` counts active frames over all threads, so ``Variable.value()`` costs one global
 check when no frame is active anywhere.
@@ -39,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +64,15 @@ from paramstore._core.jax_api import (
 from paramstore._core.ownership import ownership
 
 if TYPE_CHECKING:  # the class sits above this module: a name for annotations only
+    from jax.core import Trace
+    from jax.ref import Ref
+
     from paramstore.variable import Variable
 
 __all__ = [
     "Frame",
     "Restage",
+    "CreationRefused",
     "PURE",
     "OPEN",
     "CAPTURE",
@@ -85,6 +90,12 @@ depth = 0  # active frames, all threads together
 _depth_lock = threading.Lock()
 
 NON_FIRST_TRACE = "ps.function-decorated function tried to create variables on non-first trace."
+
+
+class CreationRefused(ValueError):
+    """A variable created where a frame refuses creation (``check_create``: a non-first
+    ``ps.function`` trace, or a frame made with ``allow_create=False``). Its own class, so
+    a caller that words the error for its users tells it apart by type, not by text."""
 
 
 class Restage(BaseException):
@@ -118,21 +129,21 @@ class Frame:
         self,
         owner: str,
         kind: int = PURE,
-        bound: list[tuple[Variable, Any]] | None = None,
+        bound: list[tuple[Variable, jax.Array]] | None = None,
         *,
         allow_create: bool = True,
         shapes: bool = False,
     ) -> None:
         self.owner = owner
         self.kind = kind
-        self.base: Any = None  # set by push
+        self.base: Trace = EVAL  # set by push
         # id(variable) -> its value (or ref) here; `vars` keeps the variables alive.
-        self.values: dict[int, Any] = {}
-        self.refs: dict[int, Any] = {}
+        self.values: dict[int, jax.Array] = {}
+        self.refs: dict[int, Ref] = {}
         self.vars: dict[int, Variable] = {}
         self.assigned: dict[int, Variable] = {}
-        self.captured: dict[int, tuple[Variable, Any]] = {}
-        self.created: list[tuple[Variable, Any]] = []
+        self.captured: dict[int, tuple[Variable, jax.Array]] = {}
+        self.created: list[tuple[Variable, jax.Array]] = []
         self.allow_create = allow_create
         self.shapes = shapes  # binds abstract variables to zeros on first read (see bound)
         # ids read in a while_loop condition of a program JAX discharges (see _check_nested)
@@ -141,7 +152,7 @@ class Frame:
             self.values[id(var)] = value
             self.vars[id(var)] = var
 
-    def get(self, key: int) -> Any:
+    def get(self, key: int) -> jax.Array:
         if current_trace() is self.base:
             ref = self.refs.get(key)
             return self.values[key] if ref is None else ref[...]
@@ -190,7 +201,7 @@ class Frame:
                 "(jax.lax.while_loop(cond, body, v.value())) and assign the result after it."
             )
 
-    def put(self, key: int, value: Any, name: str = "", update: str = "") -> None:
+    def put(self, key: int, value: jax.Array, name: str = "", update: str = "") -> None:
         """Bind ``value`` (``update``: the name of the op it results from, e.g.
         ``assign_add``, which reads what it writes)."""
         ref = self.refs.get(key)
@@ -230,16 +241,16 @@ class Frame:
             with in_trace(home):
                 ref[...] = value
 
-    def _promote(self, key: int) -> Any:
+    def _promote(self, key: int) -> Ref:
         ref = self.refs[key] = ref_in(self.base, self.values[key])
         return ref
 
-    def final(self, var: Variable) -> Any:
+    def final(self, var: Variable) -> jax.Array:
         """``var``'s value at the end of the frame (call it in the base trace)."""
         ref = self.refs.get(id(var))
         return ref[...] if ref is not None else self.values[id(var)]
 
-    def capture(self, var: Variable, outer: Any) -> None:
+    def capture(self, var: Variable, outer: jax.Array) -> None:
         """Bind ``var`` to a new constant of this (capture) frame's jaxpr holding ``outer``."""
         alias = _alias(outer)
         self.values[id(var)] = tracer_in(self.base, alias)
@@ -270,7 +281,7 @@ def push(frame: Frame) -> Iterator[Frame]:
             depth -= 1
 
 
-def _alias(value: Any) -> Any:
+def _alias(value: jax.Array) -> jax.Array:
     """A new Python object for the same buffer(s), so that each variable's constant has its
     own identity in a jaxpr even when two variables share one array."""
     if isinstance(value, jax.Array) and not isinstance(value, Tracer):
@@ -283,7 +294,7 @@ def _alias(value: Any) -> Any:
     return value
 
 
-def _lookup(stack: list[Frame], i: int, var: Variable, captured: bool = False) -> Any:
+def _lookup(stack: list[Frame], i: int, var: Variable, captured: bool = False) -> jax.Array:
     """``var``'s value seen from frame ``i`` down (``captured``: for a capture frame above,
     which turns a real value into an input of its program, so nothing is baked in)."""
     key = id(var)
@@ -300,7 +311,7 @@ def _lookup(stack: list[Frame], i: int, var: Variable, captured: bool = False) -
     return ownership.hand_out(var) if captured else outside(var)
 
 
-def outside(var: Variable) -> Any:
+def outside(var: Variable) -> jax.Array:
     """``var``'s real value, refused where a trace would bake it in as a constant."""
     trace = current_trace()
     if trace is not EVAL and staging(trace):
@@ -316,7 +327,7 @@ def outside(var: Variable) -> Any:
     return ownership.hand_out(var)
 
 
-def read(var: Variable) -> Any:
+def read(var: Variable) -> jax.Array:
     """The value ``var`` has on this thread: bound by a frame, or its real value."""
     stack = ctx.frames
     if not stack:
@@ -330,26 +341,26 @@ def read(var: Variable) -> Any:
     return _lookup(stack, len(stack) - 1, var)
 
 
-def bound(var: Variable) -> tuple[bool, Any]:
-    """``(True, value)`` when an active frame binds the ABSTRACT variable ``var`` (which has
-    no value of its own, so nothing is captured or read through): a ``ps.nn.Repeat``'s scan
-    binds its template's variables to the current layer's slices. A frame made with
-    ``shapes=True`` (a trace that only learns shapes, such as a Repeat's abstract build)
-    binds an abstract variable it does not hold to zeros of its shape and dtype, staged in
-    its own trace, on first read. ``(False, None)`` when no frame binds it."""
+def bound(var: Variable) -> jax.Array | None:
+    """The value when an active frame binds the ABSTRACT variable ``var`` (which has
+    no value of its own, so nothing is captured or read through), as a scan body's frame
+    binds abstract variables to the current slices of stacked arrays. A frame made with
+    ``shapes=True`` (a trace that only learns shapes) binds an abstract variable it does
+    not hold to zeros of its shape and dtype, staged in its own trace, on first read. None
+    when no frame binds it."""
     key = id(var)
     for frame in reversed(ctx.frames):
         if key in frame.values:
-            return True, frame.get(key)
+            return frame.get(key)
         if frame.shapes:
             with in_trace(frame.base):
                 frame.values[key] = jnp.zeros(var.shape, var.dtype)
             frame.vars[key] = var
-            return True, frame.get(key)
-    return False, None
+            return frame.get(key)
+    return None
 
 
-def bind(var: Variable, value: Any, update: str = "") -> bool:
+def bind(var: Variable, value: jax.Array, update: str = "") -> bool:
     """Rebind ``var`` in the innermost frame that owns it. False when no frame is active."""
     stack = ctx.frames
     if not stack:
@@ -383,13 +394,13 @@ def check_create() -> None:
     """Raise when a variable may not be created here (a non-first ps.function trace)."""
     for frame in ctx.frames:
         if not frame.allow_create:
-            raise ValueError(
+            raise CreationRefused(
                 NON_FIRST_TRACE + " Create variables outside the function, or only on its "
                 "first call (e.g. `if self.w is None: self.w = ps.Variable(...)`)."
             )
 
 
-def creation_trace() -> Any:
+def creation_trace() -> Trace | None:
     """Where a new variable's initializer should run: the base trace of the enclosing
     capture frame (so a layer built inside ps.grad or a lax.scan body still gets an
     initial value the trace can compute), else None (the current trace)."""
@@ -397,7 +408,7 @@ def creation_trace() -> Any:
     return stack[0].base if stack and stack[0].kind == CAPTURE else None
 
 
-def create(var: Variable, value: Any) -> None:
+def create(var: Variable, value: jax.Array) -> None:
     """Bind a variable created with a traced initial value in the enclosing capture frame.
 
     The value is copied to a jaxpr variable of its own, which ``ps.function`` turns into an
@@ -413,7 +424,7 @@ def create(var: Variable, value: Any) -> None:
             "body or a plain jax.jit), or outside it, or pass a concrete value or a "
             "callable (e.g. ps.Variable(lambda: jnp.zeros(shape)))."
         )
-    with in_trace(frame.base):  # its own jaxpr variable, distinct from `value`
+    with in_trace(stack[0].base):  # (frame.base) a jaxpr variable of its own, not `value`
         copy = jnp.array(value, copy=True)
     frame.values[id(var)] = copy
     frame.vars[id(var)] = var

@@ -14,8 +14,8 @@ attributes (duck typing), not by their classes.
 from __future__ import annotations
 
 import html
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -29,11 +29,33 @@ _WRAP = "max-width:24em;overflow-wrap:anywhere"
 _HEAD = ("Attribute", "Variable", "Shape", "Dtype", "Params", "Bytes", "Trainable")
 
 
-def _is_variable(x: Any) -> bool:
+class ShownVariable(Protocol):
+    """What a row reads of a variable (``ps.Variable`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+    @property
+    def trainable(self) -> bool: ...
+
+
+class ShownModule(Protocol):
+    """What a module's section reads of it (``ps.Module`` is one), besides its attributes."""
+
+    @property
+    def scope_name(self) -> str: ...
+    @property
+    def variables(self) -> Sequence[ShownVariable]: ...
+
+
+def _is_variable(x: object) -> TypeGuard[ShownVariable]:
     return hasattr(x, "assign") and hasattr(x, "trainable") and hasattr(x, "shape")
 
 
-def _is_module(x: Any) -> bool:
+def _is_module(x: object) -> TypeGuard[ShownModule]:
     return hasattr(x, "scope_name") and hasattr(x, "variables") and not _is_variable(x)
 
 
@@ -47,7 +69,7 @@ def human_bytes(n: int) -> str:
     raise AssertionError  # unreachable: the loop returns at GiB
 
 
-def nbytes(v: Any) -> int:
+def nbytes(v: ShownVariable) -> int:
     """The bytes of a variable's array (0 for strings)."""
     try:
         itemsize: int = np.dtype(v.dtype).itemsize
@@ -56,11 +78,11 @@ def nbytes(v: Any) -> int:
         return 0
 
 
-def _size(v: Any) -> int:
+def _size(v: ShownVariable) -> int:
     return int(np.prod(v.shape, dtype=np.int64))
 
 
-def _row(path: str, v: Any) -> str:
+def _row(path: str, v: ShownVariable) -> str:
     cells = (
         path,
         str(v.name),
@@ -86,12 +108,12 @@ def _table(rows: list[str]) -> str:
     return f'<table style="{_STYLE}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
-def variable_html(v: Any) -> str:
+def variable_html(v: ShownVariable) -> str:
     """One variable as a one-row table."""
     return f"<div><b>Variable</b>{_table([_row('', v)])}</div>"
 
 
-def _children(x: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _children(x: object, path: str) -> Iterator[tuple[str, ShownVariable | ShownModule]]:
     """(attribute path, Variable or Module) under ``x``, through lists, tuples and dicts."""
     if _is_variable(x) or _is_module(x):
         yield path, x
@@ -103,7 +125,7 @@ def _children(x: Any, path: str) -> Iterator[tuple[str, Any]]:
             yield from _children(item, f"{path}[{i}]")
 
 
-def _totals(module: Any) -> str:
+def _totals(module: ShownModule) -> str:
     vs = list(module.variables)
     total = sum(_size(v) for v in vs)
     train = sum(_size(v) for v in vs if v.trainable)
@@ -111,7 +133,7 @@ def _totals(module: Any) -> str:
     return f"{total:,} params ({size}), {train:,} trainable"
 
 
-def _module(module: Any, seen: set[int], depth: int) -> str:
+def _module(module: ShownModule, seen: set[int], depth: int) -> str:
     title = f"{html.escape(type(module).__name__)} '{html.escape(str(module.scope_name))}'"
     if getattr(module, "built", True) is False:
         return f"<div><b>{title}</b>: not built (call it on an input, or build(input_shape))</div>"
@@ -126,7 +148,7 @@ def _module(module: Any, seen: set[int], depth: int) -> str:
             seen.add(id(child))
             if _is_variable(child):
                 rows.append(_row(path, child))
-            elif depth < 32:
+            elif depth < 32 and _is_module(child):
                 inner = _module(child, seen, depth + 1)
                 subs.append(
                     f'<details open style="margin-left:16px"><summary>{html.escape(path)}'
@@ -136,6 +158,6 @@ def _module(module: Any, seen: set[int], depth: int) -> str:
     return f"<div><b>{title}</b> &mdash; {_totals(module)}{body}{''.join(subs)}</div>"
 
 
-def module_html(module: Any) -> str:
+def module_html(module: ShownModule) -> str:
     """A module as nested tables (see the module docstring)."""
     return _module(module, {id(module)}, 0)

@@ -34,9 +34,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import repeat
 from types import FrameType, TracebackType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from paramstore._core.jax_api import current_trace, repair_trace
+
+if TYPE_CHECKING:  # annotations only
+    from jax.core import Trace
 
 __all__ = ["deferred"]
 
@@ -49,7 +52,7 @@ _SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, 
 
 class _State:
     depth = 0
-    trace: Any = None  # the current JAX trace when the outermost region began
+    trace: Trace | None = None  # the current JAX trace when the outermost region began
     saved: dict[int, Any] = {}  # signal -> the handler the stand-in replaced
     pending: list[tuple[int, FrameType | None]] = []
 
@@ -106,7 +109,7 @@ class deferred:
                 )  # may raise: right after the region
 
 
-def _python_handler(handler: Any) -> bool:
+def _python_handler(handler: object) -> bool:
     return callable(handler) and handler is not _record
 
 

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast
 
 import jax
 import jax.extend as jex
@@ -39,6 +41,33 @@ import jax.extend.core  # noqa: F401  (jex.core, jex.linear_util, jex.source_inf
 import jax.extend.linear_util  # noqa: F401
 import jax.extend.source_info_util  # noqa: F401
 import jaxlib
+import numpy as np
+
+if TYPE_CHECKING:  # annotations only: JAX's public names of its trace, aval and ref classes
+    from jax.core import ShapedArray, Trace
+    from jax.extend.core import DebugInfo, JaxprEqn
+    from jax.ref import Ref
+
+T = TypeVar("T")
+
+
+class _TraceState(Protocol):
+    """JAX's holder of the thread's current trace (``core.trace_state_strong_ref``)."""
+
+    value: Trace | None
+
+
+class _StagingTrace(Protocol):
+    """What paramstore uses of a staging trace (``DynamicJaxprTrace``)."""
+
+    def to_jaxpr_tracer(self, x: jax.Array, source_info: object) -> jax.Array: ...
+
+
+class _Cache(Protocol):
+    """One of JAX's caches of traced Python functions."""
+
+    def cache_clear(self) -> None: ...
+
 
 # The newest JAX this paramstore was run on (its suite passed there). Only a message: no
 # version number is ever compared.
@@ -81,63 +110,74 @@ __all__ = [
 _missing: list[str] = []
 
 
-def _find(feature: str, get: Callable[[], Any]) -> Any:
-    """``get()``, or None with ``feature`` recorded as missing (``check`` raises)."""
+def _find(feature: str, get: Callable[[], T]) -> T:
+    """``get()``, or None with ``feature`` recorded as missing (``check`` raises at import,
+    so no code after it sees the None)."""
     try:
         return get()
     except Exception as e:  # AttributeError, ImportError...: this JAX lacks the feature
         _missing.append(f"{feature} ({type(e).__name__}: {e})")
-        return None
+        return cast(T, None)
 
 
-def _src(module: str) -> Any:
+def _src(module: str) -> types.ModuleType:
     return __import__(f"jax._src.{module}", fromlist=["_"])
 
 
 # Public names first (jax.extend, jax.ref, jax.core.Tracer).
 Tracer = jax.core.Tracer
-AbstractRef: Any = jax.ref.AbstractRef
-ClosedJaxpr: Any = jex.core.ClosedJaxpr  # from jax 0.12 the same class as Jaxpr
-Jaxpr: Any = jex.core.Jaxpr
-Literal: Any = jex.core.Literal
-DropVar: Any = jex.core.DropVar
+AbstractRef = jax.ref.AbstractRef
+ClosedJaxpr = jex.core.ClosedJaxpr  # from jax 0.12 the same class as Jaxpr
+Jaxpr = jex.core.Jaxpr
+Literal = jex.core.Literal
+DropVar = jex.core.DropVar
 jaxprs_in_params = jex.core.jaxprs_in_params
-while_p: Any = jex.core.primitives.while_p
+while_p = jex.core.primitives.while_p
 _set_trace = jex.core.set_current_trace
 
 # The private features, each found by what it is.
 _core = _find("jax._src.core", lambda: _src("core"))
 _pe = _find("jax._src.interpreters.partial_eval", lambda: _src("interpreters.partial_eval"))
 _batching = _find("jax._src.interpreters.batching", lambda: _src("interpreters.batching"))
-EVAL: Any = _find("the eager trace (core.eval_trace)", lambda: _core.eval_trace)
-_STRONG: Any = _find(
+EVAL: Trace = _find("the eager trace (core.eval_trace)", lambda: _core.eval_trace)
+_STRONG: _TraceState = _find(
     "the current-trace state (core.trace_state_strong_ref)", lambda: _core.trace_state_strong_ref
 )
-_TRACE_CTX: Any = _find("the tracing context (core.trace_ctx)", lambda: _core.trace_ctx.set_trace)
-_STAGING: Any = _find("the staging trace (DynamicJaxprTrace)", lambda: _pe.DynamicJaxprTrace)
-_BATCH_TRACE: Any = _find("vmap's trace (BatchTrace)", lambda: _batching.BatchTrace)
-_BATCH_TRACER: Any = _find("vmap's tracer (BatchTracer)", lambda: _batching.BatchTracer)
-ARRAY_TYPE: Any = _find("jax.Array's class (ArrayImpl)", lambda: _src("array").ArrayImpl)
-_SHAPED: Any = _find("core.ShapedArray", lambda: _core.ShapedArray)
-_device_put: Any = _find(
+_TRACE_CTX: Callable[[Trace], None] = _find(
+    "the tracing context (core.trace_ctx)", lambda: _core.trace_ctx.set_trace
+)
+_STAGING: type[Any] = _find("the staging trace (DynamicJaxprTrace)", lambda: _pe.DynamicJaxprTrace)
+_BATCH_TRACE: type[Any] = _find("vmap's trace (BatchTrace)", lambda: _batching.BatchTrace)
+_BATCH_TRACER: type[Any] = _find("vmap's tracer (BatchTracer)", lambda: _batching.BatchTracer)
+ARRAY_TYPE: type[Any] = _find("jax.Array's class (ArrayImpl)", lambda: _src("array").ArrayImpl)
+_SHAPED: type[ShapedArray] = _find("core.ShapedArray", lambda: _core.ShapedArray)
+_device_put: Callable[..., jax.Array] = _find(
     "xla_client.batched_device_put", lambda: _src("lib").xla_client.batched_device_put
 )
-_discharge_state: Any = _find(
+_discharge_state: Callable[..., ClosedJaxpr] = _find(
     "state discharge (discharge_state)", lambda: _src("state.discharge").discharge_state
 )
-_trace_to_jaxpr: Any = _find("pe.trace_to_jaxpr_dynamic", lambda: _pe.trace_to_jaxpr_dynamic)
-_convert_constvars: Any = _find("pe.convert_constvars_jaxpr", lambda: _pe.convert_constvars_jaxpr)
-_dce: Any = _find("pe.dce_jaxpr", lambda: _pe.dce_jaxpr)
-_canonicalize: Any = _find(
+_trace_to_jaxpr: Callable[..., tuple[Any, ...]] = _find(
+    "pe.trace_to_jaxpr_dynamic", lambda: _pe.trace_to_jaxpr_dynamic
+)
+_convert_constvars: Callable[[Jaxpr], Jaxpr] = _find(
+    "pe.convert_constvars_jaxpr", lambda: _pe.convert_constvars_jaxpr
+)
+_dce: Callable[[Jaxpr, list[bool]], tuple[Jaxpr, list[bool]]] = _find(
+    "pe.dce_jaxpr", lambda: _pe.dce_jaxpr
+)
+_canonicalize: Callable[[type, Callable[[Any], Any]], None] = _find(
     "dtypes.register_canonicalize_value_handler",
     lambda: _src("dtypes").register_canonicalize_value_handler,
 )
-_aval_mappings: Any = _find("core.pytype_aval_mappings", lambda: _core.pytype_aval_mappings)
+_aval_mappings: dict[type, Callable[[Any], Any]] = _find(
+    "core.pytype_aval_mappings", lambda: _core.pytype_aval_mappings
+)
 # JAX's caches of traced Python functions, keyed by the function object (a module-level
 # loop body, an inner jax.jit): a jaxpr traced inside a paramstore frame closes over that
 # frame's refs, so it must not outlive the frame (forget_traced_bodies). Optional: a JAX
 # without one of them has nothing there to forget.
-_BODY_CACHES: list[Any] = [
+_BODY_CACHES: list[_Cache] = [
     cache
     for module, name in (
         ("interpreters.partial_eval", "trace_to_jaxpr"),
@@ -147,7 +187,7 @@ _BODY_CACHES: list[Any] = [
         ("pjit", "_infer_params_cached"),
     )
     for cache in [getattr(_src(module), name, None)]
-    if callable(getattr(cache, "cache_clear", None))
+    if cache is not None and callable(getattr(cache, "cache_clear", None))
 ]
 if not _BODY_CACHES:
     _missing.append("the cache of traced loop bodies (partial_eval.trace_to_jaxpr)")
@@ -158,7 +198,7 @@ _STRIP = _discharge_state is not None and (
 )
 
 
-def current_trace() -> Any:
+def current_trace() -> Trace:
     """The trace new operations go to (``EVAL`` when nothing is being traced). ``None``,
     the damage an interrupt inside JAX's ``bind`` leaves (``repair_trace``), is mended here:
     every read, assign and compiled call asks this first."""
@@ -169,7 +209,7 @@ def current_trace() -> Any:
     return trace
 
 
-def repair_trace(saved: Any = None) -> None:
+def repair_trace(saved: Trace | None = None) -> None:
     """Put ``saved`` (default: the eager trace) back as the current trace when an interrupt
     inside JAX's ``bind`` left none (see the module docstring). paramstore's code never
     runs inside the window where JAX itself sets none, so ``None`` here is that damage."""
@@ -188,7 +228,7 @@ def forget_traced_bodies() -> None:
         cache.cache_clear()
 
 
-def staging(trace: Any) -> bool:
+def staging(trace: Trace | None) -> bool:
     """Whether ``trace`` (or the trace it forwards to) records a program for later."""
     while trace is not None and trace is not EVAL:
         if isinstance(trace, _STAGING):
@@ -197,28 +237,29 @@ def staging(trace: Any) -> bool:
     return False
 
 
-def trace_of(x: Any) -> Any:
+def trace_of(x: object) -> Trace | None:
     """The trace a tracer belongs to (None for a concrete value)."""
     return getattr(x, "_trace", None) if isinstance(x, Tracer) else None
 
 
-def in_trace(trace: Any) -> Any:
+def in_trace(trace: Trace) -> AbstractContextManager[None]:
     """A context manager making ``trace`` the current trace (an enclosing one)."""
     return _set_trace(trace)
 
 
-def ref_in(trace: Any, value: Any) -> Any:
+def ref_in(trace: Trace, value: jax.typing.ArrayLike) -> Ref:
     """``jax.new_ref(value)`` created in ``trace`` rather than the current trace."""
     with _set_trace(trace):
         return jax.new_ref(value)
 
 
-def tracer_in(trace: Any, const: Any) -> Any:
+def tracer_in(trace: Trace, const: jax.Array) -> jax.Array:
     """``const`` as a tracer of the staging ``trace``: a constant of its jaxpr."""
-    return trace.to_jaxpr_tracer(const, jex.source_info_util.current())
+    staged = cast("_StagingTrace", trace)  # a capture frame's base: make_jaxpr's trace
+    return staged.to_jaxpr_tracer(const, jex.source_info_util.current())
 
 
-def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
+def vmap_home(value: object, stop: Trace | None) -> tuple[Trace | None, bool]:
     """Where ``value`` can be written to a ref created outside the enclosing ``jax.vmap``
     bodies: ``(trace, batched)``. ``trace`` is the innermost enclosing trace that is not a
     vmap's (None when the current trace is not a vmap's: write where you are); ``batched``
@@ -237,7 +278,7 @@ def vmap_home(value: Any, stop: Any) -> tuple[Any, bool]:
     return home, False
 
 
-def init_program(jaxpr: Any, used_out: list[bool]) -> tuple[Any, list[bool]]:
+def init_program(jaxpr: Jaxpr, used_out: list[bool]) -> tuple[Jaxpr, list[bool]]:
     """``jaxpr`` (an open jaxpr) with its constants turned into leading inputs, cut down
     to the computation of the outputs marked in ``used_out``; and which inputs (constants
     first) that computation uses."""
@@ -245,13 +286,13 @@ def init_program(jaxpr: Any, used_out: list[bool]) -> tuple[Any, list[bool]]:
     return _dce(with_consts, used_out)  # type: ignore[no-any-return]
 
 
-def device_assignment(sharding: Any) -> list[Any]:
+def device_assignment(sharding: jax.sharding.Sharding) -> list[jax.Device]:
     """The devices of ``sharding`` in its own order (``Sharding._device_assignment``)."""
     return list(sharding._device_assignment)
 
 
-def _traced_for(stop: Any, what: str) -> bool:
-    trace = current_trace()
+def _traced_for(stop: Trace | None, what: str) -> bool:
+    trace: Trace | None = current_trace()
     while trace is not None and trace is not stop and trace is not EVAL:
         if isinstance(trace, _STAGING):
             info = trace.frame.debug_info
@@ -261,27 +302,29 @@ def _traced_for(stop: Any, what: str) -> bool:
     return False
 
 
-def in_while_cond(stop: Any) -> bool:
+def in_while_cond(stop: Trace | None) -> bool:
     """Whether the current trace, below ``stop``, is a ``lax.while_loop`` condition's."""
     return _traced_for(stop, "while_cond")
 
 
-def in_while_body(stop: Any) -> bool:
+def in_while_body(stop: Trace | None) -> bool:
     """Whether the current trace, below ``stop``, is a ``lax.while_loop`` body's."""
     return _traced_for(stop, "while_body")
 
 
-def in_shard_map(stop: Any) -> bool:
+def in_shard_map(stop: Trace | None) -> bool:
     """Whether the current trace, below ``stop``, is a ``jax.shard_map`` body's."""
     return _traced_for(stop, "shard_map")
 
 
 @functools.lru_cache(maxsize=256)
-def _aval(shape: tuple[int, ...], dtype: Any) -> Any:
+def _aval(shape: tuple[int, ...], dtype: np.dtype[Any]) -> ShapedArray:
     return _SHAPED(shape, dtype)
 
 
-def put_on_device(arr: Any, sharding: Any, device: Any) -> jax.Array:
+def put_on_device(
+    arr: np.ndarray, sharding: jax.sharding.Sharding, device: jax.Device
+) -> jax.Array:
     """``jax.device_put(arr, sharding, may_alias=True)`` for a NumPy array bound for one
     device (``sharding`` a ``SingleDeviceSharding`` of ``device``, default memory): the XLA
     call ``device_put`` ends in, without its per-array Python. Restoring 4,096 arrays of
@@ -289,7 +332,7 @@ def put_on_device(arr: Any, sharding: Any, device: Any) -> jax.Array:
     return _device_put(_aval(arr.shape, arr.dtype), sharding, [arr], [device], True)  # type: ignore[no-any-return]
 
 
-def discharge(closed: Any, should_discharge: bool | Sequence[bool]) -> Any:
+def discharge(closed: ClosedJaxpr, should_discharge: bool | Sequence[bool]) -> ClosedJaxpr:
     """``closed`` (a closed jaxpr) with its refs (those marked) turned into values: JAX's
     own ``discharge_state``, memory spaces kept."""
     if _STRIP:
@@ -297,14 +340,16 @@ def discharge(closed: Any, should_discharge: bool | Sequence[bool]) -> Any:
     return _discharge_state(closed, should_discharge=should_discharge)
 
 
-def retrace(fun: Callable[..., list[Any]], in_avals: list[Any], debug_info: Any) -> Any:
+def retrace(
+    fun: Callable[..., list[Any]], in_avals: list[Any], debug_info: DebugInfo | None
+) -> ClosedJaxpr:
     """The closed jaxpr of ``fun`` traced over ``in_avals`` (refs included)."""
     wrapped = jex.linear_util.wrap_init(fun, debug_info=debug_info)
     jaxpr, _, consts = _trace_to_jaxpr(wrapped, in_avals)[:3]
     return ClosedJaxpr(jaxpr, consts)
 
 
-def eval_eqn(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+def eval_eqn(eqn: JaxprEqn, invals: list[Any], params: dict[str, Any]) -> list[Any]:
     """Bind ``eqn``'s primitive to ``invals`` with ``params`` in its own context, as
     ``core.eval_jaxpr`` does; always a list of outputs."""
     bind_params = eqn.primitive.get_bind_params(params)
@@ -313,7 +358,7 @@ def eval_eqn(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def refuse_as_array(cls: type, message: Any) -> None:
+def refuse_as_array(cls: type, message: Callable[[Any], str]) -> None:
     """Make JAX's abstractification of a ``cls`` instance (a ``lax`` function or another
     primitive given one directly) raise ``ValueError(message(x))`` instead of JAX's own
     "Triggering __jax_array__() during abstractification is no longer supported"
@@ -323,7 +368,7 @@ def refuse_as_array(cls: type, message: Any) -> None:
     MRO) before that check, so ``jnp`` functions, which convert through ``__jax_array__``
     first, are unaffected."""
 
-    def refuse(x: Any) -> Any:
+    def refuse(x: object) -> NoReturn:
         raise ValueError(message(x))
 
     _canonicalize(cls, refuse)
@@ -334,25 +379,25 @@ def _probe() -> Iterator[str]:
     """Run a tiny program through the trace machinery paramstore reads; yield what fails."""
     if current_trace() is not EVAL:
         yield "the eager trace is the current trace outside any transformation"
-    seen: dict[str, Any] = {}
+    seen: dict[str, bool] = {}
 
-    def cond(c: Any) -> Any:
+    def cond(c: jax.Array) -> jax.Array:
         seen["cond"] = in_while_cond(None) and staging(current_trace())
         return c < 2
 
-    def body(c: Any) -> Any:
+    def body(c: jax.Array) -> jax.Array:
         seen["body"] = in_while_body(None)
         r = ref_in(current_trace(), c)
         r[...] = r[...] + 1
         return r[...]
 
-    def program(x: Any) -> Any:
+    def program(x: jax.Array) -> jax.Array:
         seen["jit"] = staging(current_trace())
         y = jax.lax.while_loop(cond, body, x)
         jax.vmap(per_row)(jax.numpy.ones(2) * y)
         return y
 
-    def per_row(z: Any) -> Any:
+    def per_row(z: jax.Array) -> jax.Array:
         seen["vmap"] = vmap_home(z, None)[1]
         return z
 

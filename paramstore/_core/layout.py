@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from paramstore._core.context import ctx
 from paramstore._core.placement import Layouts, check_fits, current_placement, placement
+from paramstore.typing import DeviceLike
 
 __all__ = [
     "LayoutMap",
@@ -57,7 +58,7 @@ Partition = tuple[Axes, ...]
 """A partition: one logical axis name (or None, or a tuple of names) per dimension."""
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
+def _axes(entry: object) -> tuple[str, ...]:
     """The names in one spec entry (``None`` -> ``()``, ``"x"`` -> ``("x",)``)."""
     if entry is None:
         return ()
@@ -70,7 +71,7 @@ def _axes(entry: Any) -> tuple[str, ...]:
     )
 
 
-def _as_spec(entries: Iterable[Any]) -> tuple[Axes, ...]:
+def _as_spec(entries: Iterable[object]) -> tuple[Axes, ...]:
     out: list[Axes] = []
     for entry in entries:
         axes = _axes(entry)
@@ -264,7 +265,9 @@ def current_rules() -> tuple[Mesh, dict[str, tuple[str, ...]]] | None:
     return ctx.axis_rules[-1] if ctx.axis_rules else None
 
 
-def check_partition(partition: Any, name: str, shape: tuple[int, ...] | None) -> Partition | None:
+def check_partition(
+    partition: object, name: str, shape: tuple[int, ...] | None
+) -> Partition | None:
     """``partition`` as a tuple (one entry per dimension), or ``TypeError``/``ValueError``
     naming the variable."""
     if partition is None:
@@ -316,8 +319,8 @@ def target(
     name: str,
     shape: tuple[int, ...],
     partition: Partition | None = None,
-    device: Any = None,
-    sharding: Any = None,
+    device: DeviceLike | Sharding | None = None,
+    sharding: Sharding | Mesh | None = None,
 ) -> Sharding | None:
     """The sharding a new variable ``name`` of ``shape`` gets (see the precedence in the
     module docstring), checked to fit; None: no placement asked for."""
@@ -339,7 +342,11 @@ def target(
     return context
 
 
-def may_shard(device: Any, sharding: Any, partition: Partition | None) -> bool:
+def may_shard(
+    device: DeviceLike | Sharding | None,
+    sharding: Sharding | Mesh | None,
+    partition: Partition | None,
+) -> bool:
     """Whether a new variable may get a sharding that splits it over several devices (then
     creation needs its shape first): such a ``sharding=``/``device=`` or ``ps.device``
     block, a ``LayoutMap``, or a partition under ``axis_rules``. False is the common,
@@ -356,7 +363,7 @@ def _splits(sharding: Sharding) -> bool:
     return len(sharding.device_set) > 1 and not sharding.is_fully_replicated
 
 
-def _explicit(device: Any, sharding: Any) -> Sharding:
+def _explicit(device: DeviceLike | Sharding | None, sharding: Sharding | Mesh | None) -> Sharding:
     """The sharding asked for by ``device=`` or ``sharding=`` (one of them is given)."""
     given = placement(device, sharding)
     assert isinstance(given, Sharding)

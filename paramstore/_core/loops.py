@@ -23,7 +23,7 @@ nothing is rewritten.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -40,10 +40,13 @@ from paramstore._core.jax_api import (
     while_p,
 )
 
+if TYPE_CHECKING:  # annotations only
+    from jax.extend.core import JaxprEqn, Var
+
 __all__ = ["fix_while", "jax_has_bug", "needs_fix", "pure"]
 
 
-def pure(closed: Any) -> Any:
+def pure(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` with its loops fixed (``fix_while``) and its refs discharged (a pure jaxpr
     with the same outputs, so that dead-code elimination sees true data dependence rather
     than keeping every effect): the program paramstore compiles or cuts down. The debug info
@@ -53,13 +56,13 @@ def pure(closed: Any) -> Any:
     return ClosedJaxpr(pure.jaxpr.replace(debug_info=info), pure.consts)
 
 
-def _cond_refs(eqn: Any) -> list[int]:
+def _cond_refs(eqn: JaxprEqn) -> list[int]:
     """The positions of the refs among a ``while`` equation's condition constants."""
     avals = eqn.params["cond_jaxpr"].in_avals[: eqn.params["cond_nconsts"]]
     return [i for i, a in enumerate(avals) if isinstance(a, AbstractRef)]
 
 
-def needs_fix(jaxpr: Any) -> bool:
+def needs_fix(jaxpr: Jaxpr) -> bool:
     """Whether ``jaxpr`` (open) or a jaxpr inside it has a loop whose condition reads a ref."""
     for eqn in jaxpr.eqns:
         if eqn.primitive is while_p and _cond_refs(eqn):
@@ -69,7 +72,7 @@ def needs_fix(jaxpr: Any) -> bool:
     return False
 
 
-def fix_while(closed: Any) -> Any:
+def fix_while(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` with every loop whose condition reads a ref rewritten (module docstring);
     ``closed`` itself when there is none or JAX has no bug to work around."""
     if not needs_fix(closed.jaxpr) or not jax_has_bug():
@@ -77,22 +80,22 @@ def fix_while(closed: Any) -> Any:
     return _rewrite(closed)
 
 
-def _rewrite(closed: Any) -> Any:
+def _rewrite(closed: ClosedJaxpr) -> ClosedJaxpr:
     jaxpr, consts = closed.jaxpr, list(closed.consts)
 
-    def run(*args: Any) -> list[Any]:
+    def run(*args: object) -> list[Any]:
         return _interpret(jaxpr, consts, list(args))
 
     return retrace(run, [v.aval for v in jaxpr.invars], jaxpr.debug_info)
 
 
-def _interpret(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
+def _interpret(jaxpr: Jaxpr, consts: list[Any], args: list[Any]) -> list[Any]:
     """Evaluate ``jaxpr`` in the current trace, as ``core.eval_jaxpr`` does, with the
     loops that need it rewritten."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
-    def read(atom: Any) -> Any:
+    def read(atom: Var | Literal) -> object:
         return atom.val if isinstance(atom, Literal) else env[atom]
 
     for eqn in jaxpr.eqns:
@@ -109,7 +112,7 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
     return [read(a) for a in jaxpr.outvars]
 
 
-def _param(value: Any) -> Any:
+def _param(value: object) -> object:
     """An equation parameter with the jaxprs in it rewritten (a tuple of them too)."""
     if isinstance(value, tuple):
         return tuple(_param(v) for v in value)
@@ -126,7 +129,7 @@ def _param(value: Any) -> Any:
     return value
 
 
-def _fixed_while(eqn: Any, invals: list[Any]) -> list[Any]:
+def _fixed_while(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
     """The loop of ``eqn`` with the refs its condition reads carried as values."""
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -138,12 +141,13 @@ def _fixed_while(eqn: Any, invals: list[Any]) -> list[Any]:
     def read_refs() -> list[Any]:
         return [cond_consts[i][...] for i in refs]
 
-    def cond_fun(state: tuple[list[Any], list[Any]]) -> Any:
+    def cond_fun(state: tuple[list[Any], list[Any]]) -> jax.Array:
         values, carry = state
         args = list(cond_consts)
         for i, value in zip(refs, values):
             args[i] = value
-        return _interpret(cond.jaxpr, list(cond.consts), [*args, *carry])[0]
+        go: jax.Array = _interpret(cond.jaxpr, list(cond.consts), [*args, *carry])[0]
+        return go
 
     def body_fun(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
         _, carry = state
@@ -160,13 +164,13 @@ def jax_has_bug() -> bool:
     ref its body writes: a tiny program, run eagerly once (bounded by a counter, so a
     buggy JAX ends too)."""
 
-    def program() -> Any:
+    def program() -> int:  # (jax.lax.while_loop's types: the carry is typed as its init)
         r = jax.new_ref(0)
 
-        def cond(c: Any) -> Any:
+        def cond(c: int) -> object:
             return (r[...] < 3) & (c < 10)
 
-        def body(c: Any) -> Any:
+        def body(c: int) -> int:
             r[...] = r[...] + 1
             return c + 1
 

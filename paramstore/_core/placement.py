@@ -166,7 +166,7 @@ def describe(sharding: Sharding) -> str:
         return f"mesh {mesh} spec {sharding.spec}"
     devices = sharding.device_set
     if len(devices) == 1:
-        d: Any = next(iter(devices))
+        d: Any = next(iter(devices))  # (jax.Device: its stubs lack platform and id)
         return f"device {d.platform}:{d.id}"
     return f"{type(sharding).__name__} over {len(devices)} devices"
 

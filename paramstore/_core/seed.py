@@ -90,6 +90,6 @@ def named_key() -> jax.Array | None:
     draw = entry[1]
     entry[1] = draw + 1
     key = jax.random.fold_in(jax.random.key(_seed), _name_to_int(entry[0]))
-    for index in entry[2]:  # the layer of a stack (ps.nn.Repeat), outermost first
+    for index in entry[2]:  # the copy's index in each enclosing stack, outermost first
         key = jax.random.fold_in(key, index)
     return jax.random.fold_in(key, draw) if draw else key

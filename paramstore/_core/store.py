@@ -56,7 +56,7 @@ class State(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._dict)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ps.State is immutable; build a new one, e.g. State({**s, k: v}).")
 
     def __repr__(self) -> str:

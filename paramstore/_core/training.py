@@ -1,21 +1,22 @@
-"""``training=`` travelling down the call stack, as in Keras 3.
+"""``training=`` travelling down the call stack (Keras 3's rule).
 
-Contract (docs/api.md, "Layers"): a Module or layer whose ``__call__`` takes a ``training``
-parameter and is called with ``training=True``/``False`` makes that the value for every
-such call made inside it (in the same thread) that is not given ``training`` itself (or
-is given ``None``). The outermost explicit value wins only until an inner call passes its
-own. Inside a ``ps.function`` the value is read while the body is traced, so pass
-``training`` to the compiled function's body itself (``f(x, training=True)`` as a
-``static_argnames`` argument, or two functions), not from an outer eager call.
+Contract (docs/api.md, "Layers"): an object whose ``__call__`` takes a ``training``
+parameter (wrapped by ``propagate``) and is called with ``training=True``/``False`` makes
+that the value for every such call made inside it (in the same thread) that is not given
+``training`` itself (or is given ``None``). The outermost explicit value wins only until an
+inner call passes its own. Inside a ``ps.function`` the value is read while the body is
+traced, so pass ``training`` to the compiled function's body itself (``f(x, training=True)``
+as a ``static_argnames`` argument, or two functions), not from an outer eager call.
 
-``training=`` must be ``True``, ``False`` or ``None``: a Python (or NumPy) bool, or a
-boolean scalar ``jax.Array`` (a traced flag, e.g. ``lax.cond``-free evaluation switched
-inside one compiled step) for classes that support it (``traced_training``: Dropout,
-BatchNormalization, Sequential and user Modules; not ``Repeat`` or layers without a
-mode); anything else (``"false"``, ``1``, ``"eval"``) is a ``TypeError`` naming the layer.
+A Python (or NumPy) bool or ``None`` travels; any other value is given to the ``check`` that
+``propagate`` was given with the call, which accepts it or raises: the module layer's
+accepts a traced flag (``is_flag``: a boolean scalar ``jax.Array``, for ``jnp.where``
+switching the mode inside one program) where the object's class allows one, and raises a
+``TypeError`` naming the object otherwise. Nothing here knows what the objects are.
 
-``propagate(call)`` wraps a ``__call__``; ``ps.Module.__init_subclass__`` applies it to
-every subclass that defines ``__call__`` with a ``training`` parameter.
+``propagate(call, check)`` wraps a ``__call__``; the module layer (``ps.Module``'s
+``__init_subclass__``) applies it to every subclass that defines ``__call__`` with a
+``training`` parameter.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ import numpy as np
 
 from paramstore._core.context import ctx
 
-__all__ = ["propagate", "current", "check"]
+__all__ = ["propagate", "current", "is_flag", "Check"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+Check = Callable[[Any, object], None]
+"""``check(obj, given)``: accepts a ``training=`` value that is not a bool or None, or raises
+(``obj`` is the object whose ``__call__`` was given it)."""
 
 
 def current() -> bool | None:
@@ -40,31 +45,15 @@ def current() -> bool | None:
     return ctx.training
 
 
-def check(module: Any, given: Any) -> None:
-    """``training=`` that is not a Python bool or None: a boolean scalar ``jax.Array`` (a
-    traced flag) where ``module``'s class says it supports one (``traced_training``, True
-    unless a class says otherwise), else ``TypeError`` naming the module."""
-    supports = bool(getattr(type(module), "traced_training", True))
-    if isinstance(given, jax.Array) and given.shape == () and given.dtype == np.bool_ and supports:
-        return
-    describe = getattr(module, "describe", None)
-    who = (
-        describe()
-        if callable(describe)
-        else f"{type(module).__name__} '{getattr(module, 'scope_name', '?')}'"
-    )
-    extra = " or a boolean scalar array (a traced flag)" if supports else ""
-    raise TypeError(
-        f"{who}: training must be True, False or None{extra}, got {type(given).__name__} "
-        f"{given!r:.40}. Pass a Python bool (training=True for training, False for "
-        "evaluation)."
-    )
+def is_flag(given: object) -> bool:
+    """Whether ``given`` is a traced flag: a boolean scalar ``jax.Array``."""
+    return isinstance(given, jax.Array) and given.shape == () and given.dtype == np.bool_
 
 
-def propagate(call: F) -> F:
+def propagate(call: F, check: Check) -> F:
     """``call`` (a ``__call__``) filling ``training`` from the enclosing call when it is not
-    given, and setting it for the calls made inside; ``call`` unchanged if it takes no
-    ``training``. Idempotent."""
+    given, and setting it for the calls made inside; a value that is not a bool or None
+    goes to ``check`` first. ``call`` unchanged if it takes no ``training``. Idempotent."""
     if getattr(call, "_ps_training", False):
         return call
     try:
@@ -83,7 +72,7 @@ def propagate(call: F) -> F:
     )
 
     @functools.wraps(call)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: object, *args: object, **kwargs: object) -> object:
         if position is not None and len(args) > position:
             given = args[position]
         else:
@@ -97,8 +86,8 @@ def propagate(call: F) -> F:
             else:
                 kwargs["training"] = outer
             return call(self, *args, **kwargs)
-        if not isinstance(given, (bool, np.bool_)):  # a traced flag: nothing to pass down
-            check(self, given)
+        if not isinstance(given, (bool, np.bool_)):
+            check(self, given)  # a traced flag, accepted, passes nothing down
             return call(self, *args, **kwargs)
         saved, ctx.training = ctx.training, bool(given)
         try:

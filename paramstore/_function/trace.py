@@ -3,32 +3,30 @@
 ``trace_signature`` runs the Python function once under ``jax.make_jaxpr`` inside a capture
 frame (``_core.frames``); ``_lift`` turns the captured variables' constants (and the created
 variables' initial values) into inputs, pairs donated inputs with their outputs, works out
-which variables' arrays may be handed out (``_shared``) and builds the ``jax.jit`` runner
-with the shardings asked for (``_leaf_shardings``); ``_initialize`` computes the initial
-values of variables created from traced values in that trace. See ``function``'s module
-docstring for the contract.
+which variables' arrays may be handed out (``_shared``) and has ``_function.runner`` build
+the ``jax.jit`` runner with the shardings asked for (``leaf_shardings``);
+``_function.initial`` computes the initial values of variables created from traced values
+in that trace. See ``function``'s module docstring for the contract.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
-import jax.numpy as jnp
 from jax import ShapeDtypeStruct
 
 from paramstore import sharding as _sharding
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.context import TRACE_EPOCH
-from paramstore._core.jax_api import Tracer, init_program
 from paramstore._core.loops import pure
 from paramstore._core.ownership import ownership
-from paramstore._core.placement import in_host_memory
 from paramstore._function.entry import Entry
 from paramstore._function.failed import discard
+from paramstore._function.initial import initialize
+from paramstore._function.runner import runner
 from paramstore._function.shardings import Shardings, leaf_shardings
 from paramstore._function.static import merge
 from paramstore.module import Module
@@ -81,7 +79,7 @@ def trace_signature(
     function's first trace, the only one that may create variables."""
     owner = f"ps.function '{name}'"
     flags = TRACE_EPOCH.flags  # a trainable flag that changes during the trace: redone
-    frame = _trace.Frame(owner, _trace.CAPTURE, allow_create=first)
+    frame = frames.Frame(owner, frames.CAPTURE, allow_create=first)
     ref_pos = [i for i, x in enumerate(leaves) if is_ref(x)]
     refs = {i: leaves[i] for i in ref_pos}
     arrays = [x for i, x in enumerate(leaves) if i not in refs]
@@ -93,7 +91,7 @@ def trace_signature(
         args, kwargs = merge(jax.tree_util.tree_unflatten(treedef, full), static)
         out_leaves: list[Any] = []
         new: list[Any] = []
-        with _trace.push(frame):
+        with frames.push(frame):
             try:
                 out = fn(*args, **kwargs)
                 out_leaves, result["out_tree"] = jax.tree_util.tree_flatten(
@@ -111,11 +109,11 @@ def trace_signature(
 
     flat.__wrapped__ = fn  # type: ignore[attr-defined]  # JAX's messages name fn, not flat
     # No lock is held while the body is traced: a captured array is handed out
-    # (_trace), so no step in another thread donates what this trace holds.
+    # (_core.frames), so no step in another thread donates what this trace holds.
     try:
         closed = jax.make_jaxpr(flat)(*arrays)
         if frame.created:
-            _initialize(closed, frame.created, result.get("error"), arrays)
+            initialize(closed, frame.created, result.get("error"), arrays)
     except BaseException as e:
         # Variables the trace created and could not give a value: unusable, in no store
         discard([v for v, _ in frame.created if isinstance(ownership.peek(v), ShapeDtypeStruct)])
@@ -148,7 +146,7 @@ def trace_signature(
 def _lift(
     name: str,
     closed: Any,
-    frame: _trace.Frame,
+    frame: frames.Frame,
     result: dict[str, Any],
     ref_pos: list[int],
     refs: list[Any],
@@ -161,7 +159,8 @@ def _lift(
     """Turn the variables' constants (and created variables' initial values) into
     inputs; build the runner. The steps: ``_inputs`` (which jaxpr variables become the
     variables' inputs), ``_pair_donated`` (donated inputs in the order of their outputs),
-    ``_lifted`` (the jaxpr over them), ``_runner`` (the ``jax.jit`` that runs it)."""
+    ``_lifted`` (the jaxpr over them), ``runner`` (``_function.runner``: the ``jax.jit``
+    that runs it)."""
     lift = _inputs(closed, frame)
     donated, readonly, assigned, order = _pair_donated(lift.moved, result["assigned"])
     moved = donated + readonly
@@ -185,7 +184,7 @@ def _lift(
     kept = [v for i, v in enumerate(outvars[:n_out]) if i not in to_copy]
     shared = _shared(moved, assigned, new_vars, kept)
     donating = donate and bool(donated) and not wait
-    runner, layout, twin = _runner(
+    jitted, layout, twin = runner(
         jex.core.jaxpr_as_fun(program),
         n_out,
         order,
@@ -197,7 +196,7 @@ def _lift(
     )
     return Entry(
         f"ps.function '{name}'",
-        runner,
+        jitted,
         [v for v, _ in donated],
         [v for v, _ in readonly],
         assigned,
@@ -223,9 +222,9 @@ class _Inputs(NamedTuple):
     outvars: list[Any]  # the outputs, less the created variables' initial values
 
 
-def _inputs(closed: Any, frame: _trace.Frame) -> _Inputs:
+def _inputs(closed: Any, frame: frames.Frame) -> _Inputs:
     """Which jaxpr variables become inputs: each captured variable's constant, and each
-    created variable's initial value (the output of one ``copy``, see ``_trace.create``:
+    created variable's initial value (the output of one ``copy``, see ``frames.create``:
     in the step, that jaxpr variable is an input instead, and the copy is cut)."""
     jaxpr = closed.jaxpr
     var_of = {id(alias): var for var, alias in frame.captured.values()}
@@ -291,92 +290,6 @@ def _lifted(jaxpr: Any, lift: _Inputs, moved: list[tuple[Variable, Any]]) -> Any
     )
 
 
-def _runner(
-    fun: Callable[..., Any],
-    n_out: int,
-    order: list[int],
-    to_copy: frozenset[int],
-    assigned: list[Variable],
-    donating: bool,
-    arg_sh: list[Any] | None,
-    out_sh: list[Any] | None,
-) -> tuple[Callable[..., Any], tuple[Any, ...], Callable[[tuple[bool, ...]], Masked]]:
-    """The ``jax.jit`` of ``fun`` (the lifted program) called as ``runner(donated,
-    readonly, arrays) -> (new values in the order of assigned, outputs)``, the shardings
-    of the assigned variables it was built for (which it pins), and the maker of its
-    masked twins (``_masked``)."""
-
-    def run(don: list[Any], ro: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
-        res = fun(*don, *ro, *arrays)
-        new = res[n_out:]
-        out = [jnp.copy(x) if i in to_copy else x for i, x in enumerate(res[:n_out])]
-        return [new[i] for i in order], out
-
-    # Assigned variables come back with the very sharding they went in with (jit's
-    # out_shardings; a with_sharding_constraint would hand back an equivalent but
-    # unequal spec, P() -> P(None, None), and fails on Explicit mesh axes), so the
-    # next call sees the same input shardings (no recompilation) and placement is kept.
-    # (A variable in host memory, e.g. an optimizer slot with slot_memory_kind=, keeps
-    # its memory kind the same way, even on one device.)
-    layout = tuple(getattr(ownership.peek(v), "sharding", None) for v in assigned)
-    keep = [
-        sh if len(sh.device_set) > 1 or in_host_memory(sh) else None
-        for sh in (ownership.peek(v).sharding for v in assigned)
-    ]
-    has_keep = any(sh is not None for sh in keep)
-    in_sh = (None, None, arg_sh) if arg_sh is not None else None
-    out_shs = (keep if has_keep else None, out_sh) if has_keep or out_sh is not None else None
-
-    runner = jax.jit(
-        run,
-        donate_argnums=(0,) if donating else (),
-        in_shardings=in_sh,
-        out_shardings=out_shs,
-    )
-
-    def masked(given: tuple[bool, ...]) -> Masked:
-        return _masked(run, given, len(assigned), keep if has_keep else None, out_sh, arg_sh)
-
-    return runner, layout, masked
-
-
-Masked = tuple[Callable[..., Any], list[int]]
-
-
-def _masked(
-    run: Callable[..., Any],
-    given: tuple[bool, ...],
-    n_assigned: int,
-    keep: list[Any] | None,
-    out_sh: list[Any] | None,
-    arg_sh: list[Any] | None,
-) -> Masked:
-    """A twin of the runner that donates the donated inputs except those ``given`` (handed
-    out: passed, not donated, not copied), called as ``twin(kept, (given arrays,
-    read-only), arrays)``, and the order of the assigned variables its new values come in:
-    the kept ones first, so jit pairs each donated buffer with its own variable's new
-    value (it pairs by shape and dtype, in order)."""
-    kept_i = [i for i, g in enumerate(given) if not g]
-    given_i = [i for i, g in enumerate(given) if g]
-    perm = kept_i + given_i + list(range(len(given), n_assigned))
-
-    def twin(kept: list[Any], rest: tuple[list[Any], list[Any]], arrays: list[Any]) -> Any:
-        held, ro = rest
-        don: list[Any] = [None] * len(given)
-        for i, x in zip(kept_i, kept):
-            don[i] = x
-        for i, x in zip(given_i, held):
-            don[i] = x
-        new, out = run(don, ro, arrays)
-        return [new[i] for i in perm], out
-
-    in_sh = (None, None, arg_sh) if arg_sh is not None else None
-    new_sh = [keep[i] for i in perm] if keep is not None else None
-    out_shs = (new_sh, out_sh) if new_sh is not None or out_sh is not None else None
-    jitted = jax.jit(twin, donate_argnums=(0,), in_shardings=in_sh, out_shardings=out_shs)
-    return jitted, perm
-
-
 def _has_host_callback(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
         if any(word in eqn.primitive.name for word in _HOST_CALLBACKS):
@@ -384,82 +297,6 @@ def _has_host_callback(jaxpr: Any) -> bool:
         for sub in jex.core.jaxprs_in_params(eqn.params):
             if _has_host_callback(sub):
                 return True
-    return False
-
-
-_FROM_FIRST_CALL: weakref.WeakValueDictionary[int, Variable] = weakref.WeakValueDictionary()
-
-
-def initial_from_first_call(var: Variable) -> None:
-    """Let ``var``, created in this first trace, start at the value its initial value has
-    in the function's first call even where that depends on the arguments (computed from
-    the first call's arguments): an average's shadow starts at its variable's value at
-    that point of the step (docs/api.md, "Weight averaging"). Other variables may not."""
-    _FROM_FIRST_CALL[id(var)] = var  # (by id: a Variable compares elementwise)
-
-
-def _initialize(
-    closed: Any, created: list[tuple[Variable, Any]], error: Any, arrays: list[Any]
-) -> None:
-    """Compute the initial values of the variables created (with traced values) during the
-    trace ``closed``: run the part of the jaxpr they depend on, once, and write them.
-    ``arrays``: the first call's arguments (only ``initial_from_first_call`` variables may
-    depend on them)."""
-    closed = pure(closed)
-    jaxpr = closed.jaxpr
-    n_out, n_created = len(jaxpr.outvars), len(created)
-    names = ", ".join(f"'{v.name}'" for v, _ in created)
-    used_out = [False] * (n_out - n_created) + [True] * n_created
-    init, used_in = init_program(jaxpr, used_out)
-    n_consts = len(jaxpr.constvars)
-    if any(used_in[n_consts:]) and _arguments_refused(jaxpr, created, n_consts, arrays):
-        # no value for any of them: made unusable by the caller
-        raise ValueError(
-            f"The initial value of variable(s) {names}, created inside a ps.function, "
-            "depends on the values of the function's arguments. An initial value may depend "
-            "on their shapes and dtypes only (as Keras' build(input_shape)): compute it from "
-            "x.shape, or create the variable outside and assign it."
-        ) from error
-    consts = [c for c, used in zip(closed.consts, used_in[:n_consts]) if used]
-    consts += [a for a, used in zip(arrays, used_in[n_consts:]) if used]  # (allowed above)
-    init = init.replace(debug_info=init.debug_info.with_unknown_names())
-    # A variable created with a sharding (sharding=, a LayoutMap, axis rules) gets its value
-    # from a program compiled with that output sharding: no device holds more than its
-    # shards. The others come from a program with no output shardings, as before.
-    shardings = [ownership.peek(v).sharding for v, _ in created]
-    run = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(init, []))
-    values: list[Any] = [None] * n_created
-    placed = [i for i, sh in enumerate(shardings) if sh is not None]
-    for group in (placed, [i for i, sh in enumerate(shardings) if sh is None]):
-        if group:
-            outs = [shardings[i] for i in group] if group is placed else None
-            program = jax.jit(lambda *c, g=group: [run(*c)[i] for i in g], out_shardings=outs)
-            for i, value in zip(group, program(*consts)):
-                values[i] = value
-    for (var, _), value in zip(created, values):
-        override = ownership.take_initial(var, None)
-        sharding = ownership.peek(var).sharding
-        if override is not None and sharding is not None:
-            override = jax.device_put(override, sharding)
-        var._write(value if override is None else override, owned=True)
-
-
-def _arguments_refused(
-    jaxpr: Any, created: list[tuple[Variable, Any]], n_consts: int, arrays: list[Any]
-) -> bool:
-    """Whether an initial value that depends on the arguments is refused: arguments that
-    are traced (a ps.function inside another trace), or a variable that depends on them
-    and is not ``initial_from_first_call``'s."""
-    if any(isinstance(a, Tracer) for a in arrays):
-        return True
-    n_out, n_created = len(jaxpr.outvars), len(created)
-    for i, (var, _) in enumerate(created):
-        if _FROM_FIRST_CALL.get(id(var)) is var:
-            continue
-        one = [False] * n_out
-        one[n_out - n_created + i] = True
-        if any(init_program(jaxpr, one)[1][n_consts:]):
-            return True
     return False
 
 

@@ -1,1 +1,1 @@
-"""The free functions and helper classes of ``ps.Variable`` (the class itself is ``paramstore.variable``): value checks and conversion, operators, slices, initial values, creation, abstract variables, ``repr`` text, references."""
+"""The free functions and helper classes of ``ps.Variable`` (the class itself is ``paramstore.variable``): value checks and conversion, operators, slices, initial values, creation, abstract variables, ``repr`` text, references, and the Keras-style objects by name a variable's ``constraint=`` and ``regularizer=`` take."""

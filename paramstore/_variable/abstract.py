@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.context import ctx
 from paramstore._core.dtypes import shape_error
 from paramstore._core.ownership import ownership
@@ -199,7 +199,7 @@ def set_initial_value(var: Variable, value: Any, *, owned: bool | None = None) -
     variable's sharding, and becomes its value; ``var.is_abstract`` is then False.
     ``owned=True`` says nobody else holds ``value``'s buffer (default: worked out)."""
     abstract = var.is_abstract
-    with jax.ensure_compile_time_eval(), _trace.no_frames():
+    with jax.ensure_compile_time_eval(), frames.no_frames():
         # An abstract variable's own _coerce refuses every value: the plain conversion.
         new = coerce(var, value, "restore") if abstract else var._coerce(value, "restore")
         if isinstance(new, np.ndarray) and not var._is_string:

@@ -36,7 +36,7 @@ from jax.sharding import Sharding
 
 from paramstore import constraints as _constraints
 from paramstore import regularizers as _regularizers
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.dtypes import STRING, canonical_dtype, is_key_dtype, shape_error
 from paramstore._core.jax_api import current_trace
 from paramstore._core.layout import Partition, check_partition, may_shard, target
@@ -80,7 +80,7 @@ def check_arguments(
     who = f"ps.Variable({name!r})"
     constraint = _constraints.get(constraint, f"{who}: constraint")
     regularizer = _regularizers.get(regularizer, f"{who}: regularizer")
-    _trace.check_create()
+    frames.check_create()
     return constraint, regularizer
 
 
@@ -135,7 +135,7 @@ def created(
     current_trace()  # mends a trace an interrupt inside JAX left unset (jax_api)
     if (
         _lazy(initial_value)
-        and _trace.creation_trace() is None
+        and frames.creation_trace() is None
         and may_shard(device, sharding, partition)
     ):
 
@@ -186,7 +186,7 @@ def abstract_value(
     else:
 
         def make() -> Any:
-            with _trace.no_frames():  # the initializer's own values, never a trace's
+            with frames.no_frames():  # the initializer's own values, never a trace's
                 return parse_initial(initial_value, dtype, full_name)[0]
 
         found, error = _abstract.trace_shape(make)

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.dtypes import (
     STRING,
+    IntegerOverflow,
     canonical_dtype,
     dtype_error,
     is_key_dtype,
@@ -49,7 +50,7 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
     concrete array, or (in a ``ps.function`` trace) a tracer."""
     want = None if dtype is None else canonical_dtype(dtype, f"variable '{full_name}'")
     if callable(initial_value) and not isinstance(initial_value, (ArrayOps, jax.Array)):
-        base = _trace.creation_trace()
+        base = frames.creation_trace()
         with (
             naming(full_name, initial_value),
             in_trace(base) if base is not None else nullcontext(),
@@ -88,9 +89,9 @@ def parse_initial(initial_value: Any, dtype: Any, full_name: str) -> tuple[Any, 
             _check_explicit(host, want, full_name, python_value=value)
     try:
         arr = tf_infer(value)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and "int32" in str(e):
-            raise
+    except IntegerOverflow:
+        raise
+    except (TypeError, ValueError):
         arr = None
     if arr is None or arr.dtype.kind == "O" and not is_text(arr):
         raise TypeError(

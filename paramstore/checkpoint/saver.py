@@ -18,7 +18,7 @@ import numpy as np
 
 from paramstore import sharding as _sharding
 from paramstore._collect import named
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.context import STATE_LOCK
 from paramstore._core.interrupts import deferred
 from paramstore._core.ownership import ownership
@@ -255,7 +255,7 @@ def _assign_all(
         elif id(v) in moves:
             v._write(value, owned=True)
         elif (
-            not _trace.depth
+            not frames.depth
             and isinstance(value, jax.Array)
             and value.dtype == v.dtype
             and not value.weak_type
@@ -268,7 +268,7 @@ def _assign_all(
 
 
 def outside_traces(what: str) -> None:
-    if _trace.active():
+    if frames.active():
         raise CheckpointError(
             f"Cannot {what} a checkpoint inside a traced function (ps.function, ps.pure, "
             "ps.grad): it would run once, at trace time, with trace-time values. Call it "

@@ -6,7 +6,8 @@ during the first trace of a ``ps.function`` (no ``in_features`` up front), or wh
 follow Keras 3; see ``docs/api.md`` and ``docs/layers.md``.
 """
 
-from paramstore.nn._base import ACTIVATIONS, Layer
+from paramstore.nn._arguments import ACTIVATIONS
+from paramstore.nn._base import Layer
 from paramstore.nn.attention import MultiHeadAttention
 from paramstore.nn.conv import Conv1D, Conv2D
 from paramstore.nn.core import Dense, Dropout, Embedding, Sequential

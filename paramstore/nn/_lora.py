@@ -38,7 +38,8 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore._core.context import TRACE_EPOCH
-from paramstore.nn._base import Layer, all_or_nothing, initializer
+from paramstore.nn._arguments import initializer
+from paramstore.nn._base import Layer, all_or_nothing
 from paramstore.typing import LayerInitializer
 from paramstore.variable import Variable
 

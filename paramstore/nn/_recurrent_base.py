@@ -14,17 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from paramstore import initializers as _init
-from paramstore.nn._base import (
-    Activation,
-    Layer,
-    PolicyLike,
-    Shape,
-    as_float,
-    features,
-    initializer,
-    resolve_activation,
-    set_hooks,
-)
+from paramstore.nn._arguments import Activation, initializer, resolve_activation, set_hooks
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, features
 from paramstore.typing import (
     ConstraintLike,
     Initializer,

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore._core.layout import Partition
-from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, hooks, initializer, set_hooks
+from paramstore.nn._arguments import hooks, initializer, set_hooks
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float
 from paramstore.nn._lora import check_alpha, check_rank
 from paramstore.nn._quant import check_mode
 from paramstore.nn.projection import Projection

@@ -8,17 +8,8 @@ import jax
 
 from paramstore import initializers as _init
 from paramstore._core.layout import Partition
-from paramstore.nn._base import (
-    Activation,
-    Layer,
-    PolicyLike,
-    Shape,
-    as_float,
-    initializer,
-    keras_name,
-    resolve_activation,
-    set_hooks,
-)
+from paramstore.nn._arguments import Activation, initializer, resolve_activation, set_hooks
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, keras_name
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable
 

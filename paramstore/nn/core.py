@@ -15,18 +15,8 @@ from paramstore import initializers as _init
 from paramstore import random as _random
 from paramstore._core.jax_api import Tracer
 from paramstore._core.layout import Partition
-from paramstore.nn._base import (
-    Activation,
-    Layer,
-    PolicyLike,
-    Shape,
-    as_float,
-    autocast,
-    features,
-    initializer,
-    resolve_activation,
-    set_hooks,
-)
+from paramstore.nn._arguments import Activation, initializer, resolve_activation, set_hooks
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float, autocast, features
 from paramstore.nn._quant import QuantLayer, int4_matmul, int8_matmul, unpack_int4
 from paramstore.typing import ConstraintLike, LayerInitializer, RegularizerLike, ValueLike
 from paramstore.variable import Variable

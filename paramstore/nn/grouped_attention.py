@@ -36,7 +36,8 @@ import jax.numpy as jnp
 
 from paramstore import initializers as _init
 from paramstore._core.layout import Partition
-from paramstore.nn._base import PolicyLike, Shape, as_float, initializer, set_hooks
+from paramstore.nn._arguments import initializer, set_hooks
+from paramstore.nn._base import PolicyLike, Shape, as_float
 from paramstore.nn.attention import AttentionProjections, attend
 from paramstore.nn.core import Dropout
 from paramstore.nn.rotary import RotaryEmbedding

@@ -29,7 +29,7 @@ import re
 from typing import Any, TypeVar
 
 from paramstore import initializers as _init
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core import seed as _seed
 from paramstore._core.jax_api import EVAL, in_trace
 from paramstore.module import Module
@@ -136,7 +136,7 @@ def _enable_stacked(rep: Repeat, layer: LoRALayer, rank: int, alpha: float) -> N
     with (
         t.store,
         _seed.recording() as inits,
-        _trace.no_frames(),
+        frames.no_frames(),
         in_trace(EVAL),
         layer.name_scope,
     ):
@@ -151,7 +151,7 @@ def _enable_stacked(rep: Repeat, layer: LoRALayer, rank: int, alpha: float) -> N
     for v in new:
         key = paths[id(v)]
         init = inits.get(v.name)
-        with _trace.no_frames(), in_trace(EVAL):
+        with frames.no_frames(), in_trace(EVAL):
             source = None if init is not None else v.value()
         stacked[key] = Variable(
             stacked_initial(init, source, rep.n, v.name, False),

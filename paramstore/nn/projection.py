@@ -45,7 +45,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paramstore.nn._base import PolicyLike, Shape, as_float, set_hooks
+from paramstore.nn._arguments import set_hooks
+from paramstore.nn._base import PolicyLike, Shape, as_float
 from paramstore.nn._lora import lora_delta
 from paramstore.nn._quant import QuantLayer, int4_einsum, int8_einsum
 from paramstore.typing import Initializer, ValueLike

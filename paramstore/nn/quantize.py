@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.context import TRACE_EPOCH
 from paramstore._core.jax_api import EVAL, in_trace
 from paramstore.module import Module
@@ -142,7 +142,7 @@ def _stacked(rep: Repeat, layer: Any, change: Any) -> None:
     before = layer.quant_slots()
     targets = [key_of[id(slot.target)] for slot in before]
     old_scales = [key_of[id(slot.scale)] if slot.scale is not None else None for slot in before]
-    with t.store, _trace.no_frames(), in_trace(EVAL):
+    with t.store, frames.no_frames(), in_trace(EVAL):
         change(layer)
     stacked = dict(rep.stacked)
     paths = attribute_paths(t.block)

@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from paramstore.nn._base import Activation, Layer, PolicyLike, Shape, as_float
+from paramstore.nn._arguments import Activation
+from paramstore.nn._base import Layer, PolicyLike, Shape, as_float
 from paramstore.nn._recurrent_base import Output, RecurrentLayer
 from paramstore.typing import (
     ConstraintLike,

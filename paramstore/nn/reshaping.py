@@ -8,8 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paramstore.nn._base import Activation as _Fn
-from paramstore.nn._base import Layer, PolicyLike, Shape, autocast, resolve_activation
+from paramstore.nn._arguments import Activation as _Fn
+from paramstore.nn._arguments import resolve_activation
+from paramstore.nn._base import Layer, PolicyLike, Shape, autocast
 from paramstore.typing import ValueLike
 
 __all__ = ["Flatten", "Reshape", "Activation"]

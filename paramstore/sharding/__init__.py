@@ -51,7 +51,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from paramstore._collect import variables_of
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core.interrupts import deferred
 from paramstore._core.layout import Layout, LayoutMap, Partition, axis_rules
 from paramstore._core.ownership import ownership
@@ -136,7 +136,7 @@ def reshard(variables: VariablesLike, sharding: ShardingTargets) -> None:
     A ``ps.function`` compiled before the move traces again on its next call (its program
     would write the variables back on their old shardings).
     """
-    if _trace.active():
+    if frames.active():
         raise RuntimeError(
             "reshard moves variables between devices; call it outside ps.function, ps.pure "
             "and the gradient functions."
@@ -220,7 +220,7 @@ def initialize(variables: VariablesLike) -> list[Variable]:
     built over abstract variables is computed last, by ``tx.init`` on its parameters'
     values: they must be concrete by then or initialized by this same call (else
     ``ValueError`` naming both, and no variable changes)."""
-    if _trace.active():
+    if frames.active():
         raise RuntimeError(
             "ps.initialize creates the variables' arrays; call it outside ps.function, "
             "ps.pure and the gradient functions."

@@ -15,6 +15,7 @@ import pytest
 
 import paramstore as ps
 from paramstore._traverse import walk
+from paramstore.nn.repeat.layout import all_variables, attribute_paths, generators
 
 X = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
 
@@ -68,6 +69,38 @@ def test_one_traversal_gives_module_order_and_checkpoint_paths():
     assert [p for p, _ in walk(model)] == [None] * len(found)  # no paths asked: none built
     ckpt = ps.Checkpoint(model=model)
     assert list(ckpt.variables_by_path()) == [f"model/{p}" for p in paths]
+
+
+class WithGenerator(ps.Module):
+    def __init__(self, name=None):
+        self.z = ps.Variable(1.0, name="z")
+        self.gen = ps.random.Generator(0, name="g")
+        self.a = {"k": ps.Variable(2.0, name="a")}
+
+
+def test_the_walk_yields_holders_and_takes_another_order():
+    m = WithGenerator()
+    kinds = [(p, type(x).__name__) for p, x in walk(m, "", holders=True)]
+    assert kinds == [
+        ("", "WithGenerator"),
+        ("a/k", "Variable"),
+        ("gen", "Generator"),
+        ("z", "Variable"),
+        ("gen/state", "Variable"),  # a holder's own finds after its node's
+    ]
+    assert [p for p, _ in walk(m, "")] == ["", "a/k", "z"]  # no holders: tf.Module's walk
+    backwards = walk(m, "", children=lambda node: list(node._ps_children())[::-1])
+    assert [p for p, _ in backwards] == ["", "z", "a/k"]
+
+
+def test_repeat_block_paths_are_the_checkpoint_paths():
+    """nn.repeat's block paths, generators and variables come from the one traversal."""
+    m = WithGenerator()
+    paths = attribute_paths(m)
+    by_path = ps.Checkpoint(block=m).variables_by_path()
+    assert {f"block/{paths[id(v)]}": v for v in all_variables(m)} == by_path
+    assert generators(m) == [m.gen]
+    assert set(paths.values()) == {"a/k", "gen/state", "z"}
 
 
 def test_the_same_forms_everywhere_a_list_of_modules_included(tmp_path):

@@ -392,6 +392,29 @@ def test_a_block_creating_variables_on_every_call_is_refused(fresh_store):
     _nothing_created(fresh_store, lambda: f(_x()), ValueError, "second call")
 
 
+def test_a_block_creating_a_variable_only_in_the_scan_is_refused(fresh_store):
+    """The template is learned from two calls; a variable made on a later call (inside the
+    scan, whose frame refuses creation: frames.CreationRefused) is named as the block's."""
+
+    class Late(ps.Module):
+        def __init__(self, name=None):
+            self.w = ps.Variable(jnp.ones(D))
+            self.calls = 0
+            self.extra = []
+
+        def __call__(self, x):
+            self.calls += 1
+            if self.calls > 2:
+                self.extra.append(ps.Variable(jnp.ones(D)))
+            return x * self.w
+
+    r = ps.nn.Repeat(Late, 2)
+    with pytest.raises(ValueError, match="created a variable after its first call") as info:
+        r(_x())
+    assert "Late" in str(info.value) and "Repeat" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
 def test_a_block_changing_the_shape_is_refused(fresh_store):
     r = ps.nn.Repeat(lambda: ps.nn.Dense(3), 2)
     info = _nothing_created(fresh_store, lambda: r(_x()), ValueError, "(2, 8)", "(2, 3)", "Dense")

@@ -45,6 +45,13 @@ def test_an_explicit_dtype_refuses_what_assign_refuses(_fresh_store, value, dtyp
     assert ok.dtype == np.float32
 
 
+@pytest.mark.skipif(jax.config.read("jax_enable_x64"), reason="64-bit JAX makes it int64")
+@pytest.mark.parametrize("value", [2**40, [1, 2**40], -(2**31) - 1])
+def test_a_python_int_past_int32_says_to_enable_64_bit_jax(value):
+    with pytest.raises(ValueError, match="does not fit in int32; enable 64-bit JAX"):
+        ps.Variable(value, name="big")
+
+
 def test_an_explicit_dtype_still_takes_lossless_and_same_kind_values():
     assert ps.Variable(255, dtype=np.uint8).numpy() == 255
     assert ps.Variable(3, dtype=np.float32).numpy() == 3.0

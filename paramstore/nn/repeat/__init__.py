@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core import seed as _seed
 from paramstore._core.jax_api import EVAL, current_trace
 from paramstore._core.store import VariableStore
@@ -116,7 +116,7 @@ class Repeat(Layer):
         self.remat_policy = checkpoint_policy(remat, f"Repeat '{self.scope_name}'")
         self.remat = remat is not None and remat is not False
         store = VariableStore()
-        with store, _seed.recording() as inits, _trace.no_frames():
+        with store, _seed.recording() as inits, frames.no_frames():
             block = make_block()
         if not callable(block):
             raise TypeError(
@@ -131,7 +131,7 @@ class Repeat(Layer):
     # ------------------------------------------------------------------ building
     def _build_stacked(self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         t = self._template
-        _trace.check_create()  # a later ps.function trace: the usual error, nothing run
+        frames.check_create()  # a later ps.function trace: the usual error, nothing run
         found = learn(t, f"Repeat '{self.scope_name}'", x, args, kwargs)
         paths = attribute_paths(t.block)
         streams = {id(g.state) for g in generators(t.block)}
@@ -208,7 +208,7 @@ class Repeat(Layer):
             self._build_stacked(x, args, kwargs)
         else:
             self.check_built(tuple(x.shape))
-        if not _trace.active() and current_trace() is EVAL:
+        if not frames.active() and current_trace() is EVAL:
             out: jax.Array = self._eager(x, args, kwargs, training)
         else:
             out = self._scan(x, args, kwargs, training)
@@ -248,7 +248,7 @@ class Repeat(Layer):
         def body(carry: tuple[Any, list[Any]], slices: list[Any]) -> tuple[Any, list[Any]]:
             h, state = carry
             bound = [*zip(template, slices), *zip(read, read_values), *zip(written, state)]
-            y, frame = self._run_block(h, bound, _trace.PURE, args, call_kwargs)
+            y, frame = self._run_block(h, bound, frames.PURE, args, call_kwargs)
             own = [i for i, v in enumerate(template) if id(v) in frame.assigned]
             assigned[:] = own
             new_state = [frame.final(v) for v in written]
@@ -271,23 +271,21 @@ class Repeat(Layer):
         kind: int,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> tuple[Any, _trace.Frame]:
+    ) -> tuple[Any, frames.Frame]:
         """Call the template block on ``h`` with ``bound`` variables (a binding frame)."""
         t = self._template
         me = f"Repeat '{self.scope_name}'"
-        frame = _trace.Frame(me, kind, bound, allow_create=False)
+        frame = frames.Frame(me, kind, bound, allow_create=False)
         try:
-            with _trace.push(frame):
+            with frames.push(frame):
                 y = t.block(h, *args, **kwargs)
                 y = y.value() if isinstance(y, Variable) else y
-        except ValueError as e:
-            if str(e).startswith(_trace.NON_FIRST_TRACE):
-                raise ValueError(
-                    f"{me}: the block {describe(t.block)} created a variable after its first "
-                    "call. A repeated block must create its variables once (in __init__ or "
-                    "on its first call)."
-                ) from None
-            raise
+        except frames.CreationRefused:
+            raise ValueError(
+                f"{me}: the block {describe(t.block)} created a variable after its first "
+                "call. A repeated block must create its variables once (in __init__ or "
+                "on its first call)."
+            ) from None
         if jnp.shape(y) != jnp.shape(h) or jnp.result_type(y) != jnp.result_type(h):
             raise ValueError(
                 f"{me}: the block {describe(t.block)} returned shape {jnp.shape(y)} dtype "
@@ -316,13 +314,13 @@ class Repeat(Layer):
             key = None
         found = t.others.get(key) if key is not None else None
         if found is None:
-            capture = _trace.Frame(f"Repeat '{self.scope_name}' (discovery)", _trace.CAPTURE)
+            capture = frames.Frame(f"Repeat '{self.scope_name}' (discovery)", frames.CAPTURE)
             sl = [jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)) for a in xs]
-            outer: list[_trace.Frame] = []
+            outer: list[frames.Frame] = []
 
             def one(h: Any, sl: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-                with _trace.push(capture):
-                    y, frame = self._run_block(h, list(zip(t.tvars, sl)), _trace.OPEN, args, kwargs)
+                with frames.push(capture):
+                    y, frame = self._run_block(h, list(zip(t.tvars, sl)), frames.OPEN, args, kwargs)
                 outer.append(frame)
                 return y
 
@@ -337,7 +335,7 @@ class Repeat(Layer):
                 return one(h, slices, a_args, a_kwargs)
 
             specs = [jax.ShapeDtypeStruct(jnp.shape(leaves[i]), leaves[i].dtype) for i in where]
-            with _trace.no_frames():
+            with frames.no_frames():
                 jax.eval_shape(flat, sl, *specs)
             mine = {id(v) for v in t.tvars}
             written = [v for k, v in outer[0].assigned.items() if k not in mine]

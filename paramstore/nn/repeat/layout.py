@@ -1,11 +1,11 @@
 """``ps.nn.Repeat``'s layout helpers: attribute paths, stacked initial values and
 shardings, and the conversion of checkpoint keys between ``n`` blocks and the stacked layout
-(see ``paramstore/nn/repeat.py`` and docs/guides/repeat.md)."""
+(see ``paramstore/nn/repeat/__init__.py`` and docs/guides/repeat.md)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paramstore._core import seed as _seed
-from paramstore.module import PENDING, Module
+from paramstore._traverse import walk
 from paramstore.random import Generator
 from paramstore.variable import Variable
 
@@ -30,66 +30,29 @@ __all__ = [
     "unstack_state",
 ]
 
-_SKIP = ("_scope_name", "_module_name", PENDING)
 STACKED = "stacked"  # the Repeat attribute holding the stacked variables
 
 
 def attribute_paths(block: Any) -> dict[int, str]:
-    """``{id(variable): attribute path inside block}``, walked as ``ps.Checkpoint`` walks
-    (attributes sorted, dict items by key, list items by index, a generator's ``state``)."""
-    found: dict[int, str] = {}
-    seen: set[int] = set()
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, Variable):
-            found.setdefault(id(obj), path)
-            return
-        if id(obj) in seen:
-            return
-        if isinstance(obj, Module):
-            seen.add(id(obj))
-            for key in sorted(vars(obj)):
-                if key not in _SKIP:
-                    walk(vars(obj)[key], f"{path}/{key}" if path else key)
-        elif isinstance(obj, Mapping):
-            for key in sorted(obj, key=str):
-                walk(obj[key], f"{path}/{key}" if path else str(key))
-        elif isinstance(obj, (list, tuple)):
-            for i, item in enumerate(obj):
-                walk(item, f"{path}/{i}" if path else str(i))
-        elif isinstance(getattr(obj, "state", None), Variable):
-            seen.add(id(obj))
-            walk(obj.state, f"{path}/state" if path else "state")
-
-    walk(block, "")
-    return found
+    """``{id(variable): its path inside block}``: ``ps.Checkpoint``'s paths (the one
+    traversal, ``_traverse.walk``, with holders: a generator's ``state`` included), each
+    variable under the path where the walk first meets it."""
+    return {
+        id(v): path
+        for path, v in walk(block, "", holders=True)
+        if isinstance(v, Variable) and path is not None
+    }
 
 
-def generators(block: Any) -> Iterator[Generator]:
-    """The ``ps.random.Generator`` objects held (at any depth) by the block's modules."""
-    modules = [block, *block.submodules] if isinstance(block, Module) else [block]
-    stack: list[Any] = [vars(m) for m in modules if hasattr(m, "__dict__")]
-    seen: set[int] = set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Generator):
-            yield obj
-        elif isinstance(obj, Mapping):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
+def generators(block: Any) -> list[Generator]:
+    """The ``ps.random.Generator`` objects the block holds, at any depth (the one traversal,
+    which yields the holders it descends into)."""
+    return [g for _, g in walk(block, holders=True) if isinstance(g, Generator)]
 
 
 def all_variables(block: Any) -> list[Variable]:
-    found = list(block.variables) if isinstance(block, Module) else []
-    seen = {id(v) for v in found}
-    for g in generators(block):
-        if id(g.state) not in seen:
-            found.append(g.state)
-    return found
+    """Every variable the block holds: its modules' and its generators' states."""
+    return [v for _, v in walk(block, holders=True) if isinstance(v, Variable)]
 
 
 def stacked_initial(

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paramstore._core import frames as _trace
+from paramstore._core import frames
 from paramstore._core import seed as _seed
 from paramstore._core.jax_api import EVAL, Tracer, current_trace, in_trace, trace_of
 from paramstore._core.store import VariableStore
@@ -97,8 +97,8 @@ def _shaped(
         h, a_args, a_kwargs = jax.tree_util.tree_unflatten(tree, full)
         if t.takes_training:
             a_kwargs = {**a_kwargs, "training": False}
-        frame = _trace.Frame(f"{me} (abstract build)", _trace.CAPTURE, shapes=True)
-        with _trace.push(frame):
+        frame = frames.Frame(f"{me} (abstract build)", frames.CAPTURE, shapes=True)
+        with frames.push(frame):
             y = t.block(h, *a_args, **a_kwargs)
             before.update(map(id, t.store.variables()))
             y2 = t.block(h, *a_args, **a_kwargs)
@@ -107,7 +107,7 @@ def _shaped(
             y2.value() if isinstance(y2, Variable) else y2,
         )
 
-    with _trace.no_frames(), _abstract.abstract():
+    with frames.no_frames(), _abstract.abstract():
         y, y2 = jax.eval_shape(run, *specs)
     return y, y2, before, specs[0]
 
@@ -128,7 +128,7 @@ def learn(
             probe, p_args, p_kwargs = jax.tree_util.tree_map(_probe, (x, args, kwargs))
             if t.takes_training:
                 p_kwargs = {**p_kwargs, "training": False}
-            with _trace.no_frames(), in_trace(EVAL):
+            with frames.no_frames(), in_trace(EVAL):
                 # the probe runs draw nothing: each layer's stream starts from the state the
                 # block's generators were made with, as in an abstract build
                 streams = [(g.state, g.state.value()) for g in generators(t.block)]
@@ -190,7 +190,7 @@ def sources(t: Template, me: str, found: list[Variable]) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for v in found:
         if not v.is_abstract:
-            with _trace.no_frames(), in_trace(EVAL):
+            with frames.no_frames(), in_trace(EVAL):
                 out[id(v)] = v.value()
             continue
         _, make = _abstract.initializer_of(v)
