@@ -661,8 +661,6 @@ def test_core_names_no_higher_layer():
 MESSAGE_TESTS = {
     # Python's own RuntimeError from Thread.start at interpreter shutdown: no type tells it.
     "paramstore/checkpoint/io.py",
-    # ps.plan's note on _variable.creation's TypeError inside ps.abstract(): to do (issue 33).
-    "paramstore/plan.py",
 }
 
 

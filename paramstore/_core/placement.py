@@ -271,4 +271,5 @@ def on_cpu(sharding: Sharding | None) -> bool:
 def private_copy(x: jax.Array) -> jax.Array:
     """A copy of array ``x`` in a new buffer, with exactly ``x``'s sharding and commitment
     (so a step fed with it sees the same input signature and does not compile again)."""
-    return jax.device_put(x, x.sharding if x.committed else None, may_alias=False)
+    copy: jax.Array = jax.device_put(x, x.sharding if x.committed else None, may_alias=False)
+    return copy
