@@ -722,7 +722,6 @@ ARCHITECTURE = PACKAGE_DIR.parent / "docs" / "architecture.md"
 LINE_GUIDE = 450
 LONGER = {
     "paramstore/variable.py": "ps.Variable in one place, its hot paths written out (issue 23)",
-    "paramstore/_core/ownership.py": "459 lines as of issue 33: to be split",
 }
 
 

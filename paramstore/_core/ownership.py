@@ -25,23 +25,17 @@ Rules:
   and stores its results atomically (``dispatch``), stores a cold call's (``store``), and
   empties every cache on a write (``release_cached``: no cache pins a buffer a variable
   no longer holds). A hand-out tells only the programs that donate that variable
-  (``watch``: each variable's ``_donors``), whose caches stay: each marks that one input
-  as not to be donated on its next call (``Cache.handed``). So reading one weight between
-  steps costs no gather of every input, only the read.
+  (``watch``), which keep their caches and mark that input undonated (``Cache.handed``).
 * **Host reads hand nothing out.** ``host`` copies a value to NumPy under the lock, so the
   next step still donates the buffer (``v.numpy()``, ``float(v)``).
 * ``lock`` (the state lock, ``_core.context.STATE_LOCK``) is held by every write, every
-  hand-out and each compiled call's gather-dispatch-write, so each is atomic. It is never
-  held while user code is traced or compiled: a program's first call compiles it first
-  (the function layer's ``Entry``, outside the lock, lowering with ``specs``) and checks it
-  is still current under the lock before it runs (else it is traced anew). A call of a program with host callbacks holds
-  it until its results are written (atomic with other threads' writes): meanwhile reads
-  need no lock (``open``: nothing is donated before that call writes) and a write from one
-  of its callbacks raises ``CallbackWriteError`` (it could only be lost, or deadlock).
-* Every write that moves a variable to a new placement moves ``TRACE_EPOCH`` (``write``
-  and ``write_many``, the one write path of assign, restore, reshard, ``ps.update``...), so
-  a program that pinned the old placement is checked, and traced anew, before its next
-  call.
+  hand-out and each compiled call's gather-dispatch-write, so each is atomic; never while
+  user code is traced or compiled (``Entry`` compiles ahead with ``specs``, then checks
+  under the lock). A call with host callbacks holds it until its results are written:
+  meanwhile reads need no lock (``open``) and a write from a callback raises
+  ``CallbackWriteError`` (it could only be lost, or deadlock).
+* Every write that moves a variable to a new placement moves ``TRACE_EPOCH`` (``write``,
+  ``write_many``: the one write path of assign, restore, reshard, ``ps.update``...).
 
 Interrupts and run-time errors (issue 28). A ``KeyboardInterrupt`` or any exception a
 signal handler raises can land wherever the main thread checks for signals (a Python
