@@ -162,10 +162,10 @@ def _enable_stacked(rep: Repeat, layer: LoRALayer, rank: int, alpha: float) -> N
             _full_name=v.name,
         )
         by_key[key] = v
-    _relayout(rep, by_key, stacked)
+    relayout(rep, by_key, stacked)
 
 
-def _relayout(rep: Repeat, by_key: dict[str, Variable], stacked: dict[str, Variable]) -> None:
+def relayout(rep: Repeat, by_key: dict[str, Variable], stacked: dict[str, Variable]) -> None:
     """Set the Repeat's template variables and stacked ones (same keys) in one go, and
     drop what was traced for the old set."""
     t = rep._template
@@ -201,5 +201,5 @@ def merge_lora(module: Module) -> list[LoRALayer]:
         frozen = not (layer.trainable and rep.trainable)
         restore_flags(target, layer._lora_was_trainable, frozen)  # as before enable_lora
         keep = {k: v for k, v in by_key.items() if k not in gone}
-        _relayout(rep, keep, rep.stacked)
+        relayout(rep, keep, rep.stacked)
     return [layer for layer, _ in chosen]

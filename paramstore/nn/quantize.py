@@ -43,7 +43,7 @@ from paramstore.nn._quant import (
     quantize_variable,
 )
 from paramstore.nn.attention import AttentionProjections
-from paramstore.nn.lora import describe, layers_of
+from paramstore.nn.lora import describe, layers_of, relayout
 from paramstore.nn.repeat import Repeat
 from paramstore.nn.repeat.layout import attribute_paths
 
@@ -166,9 +166,4 @@ def _stacked(rep: Repeat, layer: Any, change: Any) -> None:
         by_key[key] = slot.target
         big._store._forget(big)
         TRACE_EPOCH.retire(big)
-    order = sorted(by_key)
-    t.tvars = [by_key[k] for k in order]
-    rep._order = order
-    rep.stacked = {k: stacked[k] for k in order}
-    t.others.clear()
-    t.compiled = None  # the eager path's ps.function traced the old variables
+    relayout(rep, by_key, stacked)
