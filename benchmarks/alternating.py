@@ -28,7 +28,9 @@ compiled ``ps.function``, while one thread compiles a ~2 s program (median and m
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -40,18 +42,16 @@ import optax
 
 import paramstore as ps
 
-LAYERS, WIDTH, BATCH, LR = 4, 32, 8, 1e-3
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step as _step  # noqa: E402  (benchmarks/step.py: its dispatch-bound MLP)
+
+MODEL = _step.MODELS["dispatch"]
+LAYERS, WIDTH, BATCH, LR = MODEL.layers, MODEL.width, MODEL.batch, 1e-3
+mlp = _step.mlp
 
 
 def init_params() -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    return [
-        (
-            (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
-            np.zeros(WIDTH, np.float32),
-        )
-        for _ in range(LAYERS)
-    ]
+    return _step.init_params(MODEL)
 
 
 def batches() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -59,14 +59,6 @@ def batches() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     return tuple(  # type: ignore[return-value]
         jnp.asarray(rng.standard_normal((BATCH, WIDTH)).astype(np.float32)) for _ in range(4)
     )
-
-
-def mlp(params, x):
-    for i, (w, b) in enumerate(params):
-        x = x @ w + b
-        if i < len(params) - 1:
-            x = jnp.tanh(x)
-    return x
 
 
 Loop = dict[str, Callable[[], object]]  # row name -> one iteration
