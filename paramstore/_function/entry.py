@@ -194,7 +194,8 @@ class Entry:
         if i is None or self.last is None:
             return  # no cache: the next call gathers, and sees the hand-out itself
         mask = self.mask
-        if mask is None:  # (the usual case: one read between two calls)
+        if mask is None:  # the usual case, one read between two calls: a cached mask
+            # (0.02 us against 0.29 us to build the 26-input tuple of alternating.py's step)
             single = self.singles.get(i)
             if single is None:
                 single = self.singles[i] = (
